@@ -1,0 +1,34 @@
+# `make demo` and `make test` each create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU machines take the CPU build of torch (a plain `torch` pulls a multi-GB CUDA build).
+TORCH_PIN ?= torch==2.13.0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: demo test bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m specray.demo
+
+# pytest exits 5 when it collects nothing: that is a failure here, said out loud.
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+bench: venv
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

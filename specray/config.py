@@ -1,0 +1,181 @@
+"""Engine configuration: frozen dataclasses, validated when built.
+
+A bad value raises ``ValueError`` whose message names the value and the rule it broke,
+so the error surfaces at the call that built the config, before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LAUNCHERS = ("auto", "local", "mp", "ray", "external")
+ALLREDUCE_MODES = ("auto", "one_shot", "torch")
+SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp")
+STANDALONE_DRAFTERS = ("draft_model", "dflash")
+DTYPES = ("float32", "bfloat16", "float16")
+MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 8, 256
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """How the ranks are laid out and started."""
+
+    tp_size: int = 1
+    """Tensor-parallel ranks; also the world size (no pipeline or data parallelism)."""
+    moe_tp_size: int | None = None
+    """Ways each expert's matrices are split; defaults to tp_size / moe_ep_size."""
+    moe_ep_size: int | None = None
+    """Contiguous expert groups; defaults to 1."""
+    launcher: str = "auto"
+    """local | mp | ray | external; auto picks external under torchrun, local at tp 1, mp otherwise."""
+    allreduce: str = "auto"
+    """auto | one_shot | torch: which all-reduce the row-parallel layers use."""
+    timeout_s: float = 60.0
+    """Every collective and every wait on another rank gives up after this many seconds."""
+
+    def __post_init__(self) -> None:
+        _require(self.tp_size >= 1, f"tp_size ({self.tp_size}) must be >= 1")
+        _require(self.launcher in LAUNCHERS, f"launcher {self.launcher!r} must be one of {LAUNCHERS}")
+        _require(self.allreduce in ALLREDUCE_MODES, f"allreduce {self.allreduce!r} must be one of {ALLREDUCE_MODES}")
+        _require(self.timeout_s > 0, f"timeout_s ({self.timeout_s}) must be > 0")
+        for name in ("moe_tp_size", "moe_ep_size"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"{name} ({value}) must be >= 1")
+        tp, ep = self.resolved_moe_sizes
+        _require(
+            tp * ep == self.tp_size,
+            f"moe_tp_size ({tp}) * moe_ep_size ({ep}) must equal tp_size ({self.tp_size})",
+        )
+        _require(self.launcher != "local" or self.tp_size == 1,
+                 f"launcher 'local' runs one rank in this process, so tp_size ({self.tp_size}) must be 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def resolved_moe_sizes(self) -> tuple[int, int]:
+        """(moe_tp_size, moe_ep_size) with the defaults filled in."""
+        ep = self.moe_ep_size or (self.tp_size // self.moe_tp_size if self.moe_tp_size else 1)
+        tp = self.moe_tp_size or max(self.tp_size // ep, 1)
+        return tp, ep
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVConfig:
+    """Paged KV pools."""
+
+    tokens_per_block: int = 16
+    """Page size of the target pool: a power of two from 8 to 256."""
+    capacity_tokens: int | None = None
+    """Explicit token capacity per pool; when None the budget comes from free memory."""
+    memory_fraction: float = 0.5
+    """Fraction of the memory free after loading the weights that the KV pools may take."""
+    cpu_max_bytes: int = 2 << 30
+    """On CPU, never give the KV pools more than this, whatever the free memory."""
+
+    def __post_init__(self) -> None:
+        b = self.tokens_per_block
+        _require(
+            isinstance(b, int) and _is_power_of_two(b) and MIN_TOKENS_PER_BLOCK <= b <= MAX_TOKENS_PER_BLOCK,
+            f"tokens_per_block ({b}) must be a power of two from {MIN_TOKENS_PER_BLOCK} to {MAX_TOKENS_PER_BLOCK}",
+        )
+        _require(self.capacity_tokens is None or self.capacity_tokens >= 1,
+                 f"capacity_tokens ({self.capacity_tokens}) must be >= 1")
+        _require(0.0 < self.memory_fraction <= 1.0, f"memory_fraction ({self.memory_fraction}) must be in (0, 1]")
+        _require(self.cpu_max_bytes >= 1, f"cpu_max_bytes ({self.cpu_max_bytes}) must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecConfig:
+    """Speculative decoding; method None means plain decoding."""
+
+    method: str | None = None
+    """draft_model | dflash | eagle3 | mtp, or None for plain decoding."""
+    draft_model: str | None = None
+    """Drafter checkpoint directory or preset; None picks the preset matching the target."""
+    num_draft_tokens: int = 4
+    """k: tokens drafted per verify step."""
+    force_accepted_tokens: float | None = None
+    """Benchmarking only (changes outputs): accept this many drafts regardless of their value."""
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in SPEC_METHODS,
+                 f"spec method {self.method!r} must be one of {SPEC_METHODS} or None")
+        _require(self.num_draft_tokens >= 1, f"num_draft_tokens ({self.num_draft_tokens}) must be >= 1")
+        f = self.force_accepted_tokens
+        k = self.num_draft_tokens
+        _require(f is None or 1.0 <= f <= k + 1,
+                 f"force_accepted_tokens ({f}) must be within [1, num_draft_tokens + 1 = {k + 1}]")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def is_standalone(self) -> bool:
+        return self.method in STANDALONE_DRAFTERS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                 f"max_tokens ({self.max_tokens}) must be an integer >= 1")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0,
+                 f"temperature ({self.temperature}) must be >= 0 (0 means greedy)")
+        _require(self.top_k >= 0, f"top_k ({self.top_k}) must be >= 0 (0 disables it)")
+        _require(0.0 < self.top_p <= 1.0, f"top_p ({self.top_p}) must be in (0, 1]")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """Everything one LLM needs: the model, where it runs and how it decodes."""
+
+    model: str = "tiny-llama"
+    """A built-in preset (tiny-llama, tiny-qwen3, tiny-moe, mid-llama) or a Hugging Face checkpoint dir."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_num_seqs: int = 64
+    """Requests decoded together in one step."""
+    max_num_batched_tokens: int = 8192
+    """Tokens one forward may take (prefill chunks are not split: a longer prompt runs alone)."""
+    seed: int = 0
+    """Seeds the preset weights and the per-request seeds that are not given."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype {self.dtype!r} must be one of {DTYPES}")
+        _require(self.device == "cpu" or self.device.startswith("cuda"),
+                 f"device {self.device!r} must be 'cpu' or 'cuda'")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs ({self.max_num_seqs}) must be >= 1")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")

@@ -1,0 +1,107 @@
+"""EngineCore: the coordinator that runs in rank 0's process.
+
+It owns the scheduler and rank 0's worker, agrees the pool geometry, and drives every step:
+plan, send the plan to the followers, execute, record the tokens. Under Ray or mp the
+driver only submits requests to it and collects outputs; the step loop stays here.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from specray.config import EngineConfig, SamplingParams
+from specray.executor.plan import StepPlan
+from specray.executor.scheduler import Scheduler, Sequence
+from specray.kv.allocator import BlockAllocator
+from specray.workers.worker import RankWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+    metrics: dict = field(default_factory=dict)
+
+
+def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vocab_size: int,
+                      capacity_tokens: int, lookahead_tokens: int) -> None:
+    """Reject the whole call before anything runs, so no request is half served.
+
+    The error names the request index, the value and the rule."""
+    if len(prompts) != len(params):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if len(prompt) == 0:
+            raise ValueError(f"request {i}: the prompt is empty; a prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        need = len(prompt) + p.max_tokens + lookahead_tokens
+        if need > capacity_tokens:
+            raise ValueError(
+                f"request {i}: prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens})"
+                + (f" + draft lookahead ({lookahead_tokens})" if lookahead_tokens else "")
+                + f" = {need} exceeds the KV pool capacity ({capacity_tokens} tokens); "
+                f"shorten the request or give the pool more memory"
+            )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker: RankWorker, channel=None):
+        self.config = config
+        self.worker = worker
+        self.channel = channel  # sends plans to the followers; None on a single rank
+        self.geometry = worker.geometry  # agreed by every rank before the engine starts
+        self.allocator = BlockAllocator(self.geometry["target"].num_blocks)
+        self._seq_ids = 0
+        self._rng = random.Random(config.seed)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.geometry["target"].capacity_tokens
+
+    def _step(self, plan: StepPlan) -> list[int]:
+        if self.channel is not None:
+            self.channel.send(plan)
+        return self.worker.execute(plan)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        prompts = [list(map(int, p)) for p in prompts]
+        validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, 0)
+        kv = self.config.kv
+        scheduler = Scheduler(self.allocator, kv.tokens_per_block, self.config.max_num_seqs,
+                              self.config.max_num_batched_tokens)
+        seqs = []
+        for prompt, p in zip(prompts, params):
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+            seq = Sequence(self._seq_ids, list(prompt), len(prompt), p, seed, self.worker.arch.eos_token_ids)
+            self._seq_ids += 1
+            scheduler.add(seq)
+            seqs.append(seq)
+        while scheduler.has_work:
+            plan = scheduler.schedule()
+            scheduler.finish_step(self._step(plan))
+        # Let the ranks forget the last finished sequences now rather than at the next call.
+        self._step(scheduler.schedule())
+        return [self._output(i, s) for i, s in enumerate(seqs)]
+
+    @staticmethod
+    def _output(index: int, seq: Sequence) -> RequestOutput:
+        out = seq.output_ids
+        p = seq.params
+        reason = "length" if len(out) >= p.max_tokens and out[-1] not in p.stop_token_ids else "stop"
+        ttft = seq.first_token_s - seq.arrival_s
+        tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
+        metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
+        return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, reason, metrics)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.send(StepPlan(is_shutdown=True))

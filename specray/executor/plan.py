@@ -1,0 +1,23 @@
+"""The step plan rank 0 sends to every rank: deltas only (new tokens, new pages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specray.config import SamplingParams
+
+
+@dataclass(slots=True)
+class StepPlan:
+    seq_ids: list[int] = field(default_factory=list)
+    input_ids: list[list[int]] = field(default_factory=list)  # tokens to feed, per sequence
+    start_positions: list[int] = field(default_factory=list)  # position of each first fed token
+    new_blocks: list[list[int]] = field(default_factory=list)  # pages appended to each block table
+    new_seqs: dict[int, tuple[SamplingParams, int]] = field(default_factory=dict)  # params and seed
+    preempted: list[int] = field(default_factory=list)  # block tables to reset
+    finished: list[int] = field(default_factory=list)  # sequences to forget
+    is_shutdown: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.input_ids)

@@ -1,0 +1,156 @@
+"""Continuous-batching scheduler (plain Python, no torch).
+
+Each step every scheduled sequence feeds all of its tokens whose KV is not cached yet:
+a whole prompt when it is admitted (or re-admitted after preemption), one token when it
+decodes, and 1 + k tokens when it verifies drafts. Requests of any length share a step.
+
+Rules:
+- admission is FIFO and by free pages: a waiting request joins when the pages for all of
+  its current tokens are free, the batch has room (``max_num_seqs``) and the step's token
+  budget allows it (a request that exceeds the budget alone still runs, alone);
+- when a running request needs a page and none is free, the most recently admitted
+  running request is preempted: its pages are freed, and it waits at the front of the
+  queue to be recomputed (prompt plus what it already generated), so no request fails;
+- finishing frees every page of the request at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specray.config import SamplingParams
+from specray.executor.plan import StepPlan
+from specray.kv.allocator import BlockAllocator, blocks_needed
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    num_computed: int = 0  # tokens whose KV is in the pools
+    block_table: list[int] = field(default_factory=list)
+    num_blocks_sent: int = 0  # how much of block_table the ranks already know
+    admitted_at: int = -1  # admission counter, for "most recently admitted"
+    is_finished: bool = False
+    num_preemptions: int = 0
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        p = self.params
+        done = len(self.output_ids) >= p.max_tokens
+        done |= token in p.stop_token_ids
+        done |= not p.ignore_eos and token in self.eos_token_ids
+        if done:
+            self.is_finished = True
+            self.finish_s = time.perf_counter()
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, tokens_per_block: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, lookahead_tokens: int = 0):
+        self.allocator = allocator
+        self.tokens_per_block = tokens_per_block
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead_tokens = lookahead_tokens  # extra slots a step may write (drafts)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = itertools.count()
+        self._preempted: list[int] = []  # since the last plan: ranks reset their block tables
+        self._finished: list[int] = []  # since the last plan: ranks drop every trace of them
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _pages_for(self, seq: Sequence, extra: int) -> int:
+        return blocks_needed(len(seq.token_ids) + extra, self.tokens_per_block) - len(seq.block_table)
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_blocks_sent = 0
+
+    def _preempt_latest(self) -> Sequence:
+        victim = max(self.running, key=lambda s: s.admitted_at)
+        self._release(victim)
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self._preempted.append(victim.seq_id)
+        self.waiting.appendleft(victim)
+        return victim
+
+    def schedule(self) -> StepPlan:
+        # 1. Running requests get the pages their next tokens need, preempting if short.
+        for seq in sorted(self.running, key=lambda s: s.admitted_at):
+            if seq not in self.running:
+                continue  # preempted while serving an earlier one
+            need = self._pages_for(seq, self.lookahead_tokens)
+            while need > self.allocator.num_free:
+                if self._preempt_latest() is seq:
+                    break
+            if seq in self.running and need > 0:
+                seq.block_table += self.allocator.allocate(need)
+        # 2. Waiting requests join while pages, batch slots and the token budget allow.
+        num_tokens = sum(s.num_uncomputed for s in self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._pages_for(seq, self.lookahead_tokens)
+            over_budget = num_tokens + seq.num_uncomputed > self.max_num_batched_tokens
+            if need > self.allocator.num_free or (over_budget and self.running):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.allocator.allocate(need)
+            seq.admitted_at = next(self._admissions)
+            self.running.append(seq)
+            num_tokens += seq.num_uncomputed
+        return self._plan()
+
+    def _plan(self) -> StepPlan:
+        plan = StepPlan(preempted=self._preempted, finished=self._finished)
+        self._preempted, self._finished = [], []
+        for seq in self.running:
+            plan.seq_ids.append(seq.seq_id)
+            plan.input_ids.append(seq.token_ids[seq.num_computed:])
+            plan.start_positions.append(seq.num_computed)
+            plan.new_blocks.append(seq.block_table[seq.num_blocks_sent:])
+            seq.num_blocks_sent = len(seq.block_table)
+            if seq.num_computed == 0 and seq.num_preemptions == 0:
+                plan.new_seqs[seq.seq_id] = (seq.params, seq.seed)
+        return plan
+
+    def finish_step(self, tokens: list[int]) -> list[Sequence]:
+        """Record one sampled token per scheduled sequence; returns those that finished."""
+        finished = []
+        for seq, token in zip(list(self.running), tokens):
+            seq.num_computed = len(seq.token_ids)
+            seq.append(token)
+            if seq.is_finished:
+                self._release(seq)
+                self._finished.append(seq.seq_id)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,124 @@
+"""Model architecture read from a Hugging Face ``config.json``.
+
+One decoder covers every supported family; the table below says how each family differs
+(q/k norm, MoE routing, checkpoint names of the expert weights). Adding a family is a row,
+not a copy of the model file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    has_qk_norm: bool
+    moe_prefix: str | None = None  # the MLP module name of MoE layers ("mlp", "block_sparse_moe")
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    always_norm_topk: bool = False  # Mixtral renormalises the top-k weights unconditionally
+    expert_size_key: str = "moe_intermediate_size"  # config key of one expert's intermediate size
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(has_qk_norm=False),
+    "Qwen3ForCausalLM": Family(has_qk_norm=True),
+    "Qwen3MoeForCausalLM": Family(has_qk_norm=True, moe_prefix="mlp"),
+    "MixtralForCausalLM": Family(
+        has_qk_norm=False, moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"), always_norm_topk=True,
+        expert_size_key="intermediate_size",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def kv_bytes_per_token(self, dtype_size: int, tp_size: int) -> int:
+        """Bytes one token's K and V take on one rank, over all layers."""
+        kv_heads = max(self.num_kv_heads // tp_size, 1)
+        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_size
+
+
+def read_arch(checkpoint_dir: str | Path) -> ModelArch:
+    """Parse ``config.json``; errors name the directory and what is missing or unsupported."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"checkpoint directory {str(checkpoint_dir)!r} has no config.json")
+    cfg = json.loads(path.read_text())
+    return arch_from_hf_config(cfg, source=str(checkpoint_dir))
+
+
+def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
+    archs = cfg.get("architectures") or []
+    supported = [a for a in archs if a in FAMILIES]
+    if not supported:
+        raise ValueError(
+            f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"supported: {sorted(FAMILIES)}"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; only 'default' RoPE is")
+    num_heads = cfg["num_attention_heads"]
+    num_layers = cfg["num_hidden_layers"]
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
+    moe_layers: tuple[int, ...] = ()
+    if num_experts and FAMILIES[supported[0]].moe_prefix:
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        num_experts = 0
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return ModelArch(
+        architecture=supported[0],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        num_experts=num_experts,
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if num_experts else 0,
+        moe_intermediate_size=cfg.get(FAMILIES[supported[0]].expert_size_key, 0) if num_experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) or FAMILIES[supported[0]].always_norm_topk,
+        moe_layers=moe_layers,
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+    )

@@ -1,0 +1,201 @@
+"""The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral).
+
+Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
+
+| module                   | split                                              | reduce                  |
+|--------------------------|----------------------------------------------------|-------------------------|
+| embed_tokens             | vocab rows over tp                                 | all_reduce (tp)         |
+| self_attn.qkv            | q heads over tp; kv heads over tp or replicated    | -                       |
+| self_attn.o_proj         | input columns (heads) over tp                      | all_reduce (tp)         |
+| mlp.gate_up / down       | intermediate over tp                               | all_reduce (tp)         |
+| moe experts              | contiguous expert groups over moe_ep; each         | one all_reduce (tp)     |
+|                          | expert's intermediate over moe_tp                  | sums both splits        |
+| moe router (gate)        | replicated                                         | -                       |
+| norms                    | replicated                                         | -                       |
+| lm_head                  | vocab rows over tp                                 | all_gather (tp)         |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.comm.context import DistContext
+from specray.models.arch import ModelArch
+from specray.models.attention import AttentionMetadata, paged_attention, write_kv
+from specray.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rope,
+    rope_cos_sin,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        tp, dev = ctx.tp, ctx.device
+        self.head_dim = arch.head_dim
+        self.num_local_heads = arch.num_heads // tp.size
+        self.qkv = QKVParallelLinear(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                     tp, arch.attention_bias, dtype, dev)
+        self.num_local_kv_heads = self.qkv.num_local_kv_heads
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp,
+                                        arch.attention_bias, dtype, dev)
+        self.q_norm = self.k_norm = None
+        if arch.family.has_qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.qkv.out_sizes[0], self.qkv.out_sizes[1]
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_local_heads, self.head_dim)
+        k = k.view(-1, self.num_local_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(pool, k, v, meta.slot_mapping)
+        o = paged_attention(q, pool, meta, self.scale)
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    def load(self, reader, prefix: str) -> None:
+        self.qkv.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.o_proj.load(reader, f"{prefix}.o_proj")
+        if self.q_norm is not None:
+            self.q_norm.load(reader, f"{prefix}.q_norm.weight")
+            self.k_norm.load(reader, f"{prefix}.k_norm.weight")
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = ColumnParallelLinear(hidden, [intermediate, intermediate], ctx.tp, False, dtype, ctx.device)
+        self.down = RowParallelLinear(intermediate, hidden, ctx.tp, False, dtype, ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def load(self, reader, prefix: str) -> None:
+        self.gate_up.load(reader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down.load(reader, f"{prefix}.down_proj")
+
+
+class MoE(nn.Module):
+    """Top-k routed experts. This rank holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep), each
+    split over moe_tp; partial outputs of both splits are summed by one all_reduce over tp."""
+
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        ep, mtp = ctx.moe_ep, ctx.moe_tp
+        self.tp = ctx.tp
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk = arch.norm_topk_prob
+        self.names = arch.family.expert_names
+        self.num_local = arch.num_experts // ep.size
+        self.first_expert = ep.rank_in_group * self.num_local
+        self.inter_shard = arch.moe_intermediate_size // mtp.size
+        self.inter_start = mtp.rank_in_group * self.inter_shard
+        h, dev = arch.hidden_size, ctx.device
+        self.gate = nn.Parameter(torch.empty(arch.num_experts, h, dtype=dtype, device=dev), requires_grad=False)
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_shard, h, dtype=dtype, device=dev),
+                                      requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(self.num_local, h, self.inter_shard, dtype=dtype, device=dev),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Routing as transformers does it: softmax in float32, top-k, optional renormalisation.
+        probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        local = experts - self.first_expert
+        for e in torch.unique(local[(local >= 0) & (local < self.num_local)]).tolist():
+            token, slot = torch.nonzero(local == e, as_tuple=True)
+            gate, up = F.linear(x[token], self.w_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w_down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return self.tp.all_reduce(out)
+
+    def load(self, reader, prefix: str) -> None:
+        self.gate.copy_(reader.read(f"{prefix}.gate.weight"))
+        g, u, d = self.names
+        lo, hi = self.inter_start, self.inter_start + self.inter_shard
+        for i in range(self.num_local):
+            p = f"{prefix}.experts.{self.first_expert + i}"
+            self.w_gate_up[i, : self.inter_shard].copy_(reader.read(f"{p}.{g}.weight", 0, lo, hi))
+            self.w_gate_up[i, self.inter_shard:].copy_(reader.read(f"{p}.{u}.weight", 0, lo, hi))
+            self.w_down[i].copy_(reader.read(f"{p}.{d}.weight", 1, lo, hi))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, index: int, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        dev = ctx.device
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+        self.self_attn = Attention(arch, ctx, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+        self.is_moe = index in arch.moe_layers
+        self.mlp_prefix = arch.family.moe_prefix if self.is_moe else "mlp"
+        self.mlp = MoE(arch, ctx, dtype) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size, ctx, dtype)
+
+    def forward(self, x, cos, sin, pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def load(self, reader, prefix: str) -> None:
+        self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.{self.mlp_prefix}")
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head, over paged KV pools."""
+
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        self.arch = arch
+        dev = ctx.device
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_local_kv_heads
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, pools: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, one row per new token."""
+        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        x = self.embed_tokens(ids)
+        for layer, pool in zip(self.layers, pools):
+            x = layer(x, cos, sin, pool, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every rank."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load(self, reader) -> None:
+        self.embed_tokens.load(reader, "model.embed_tokens")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        self.norm.load(reader, "model.norm.weight")
+        if not self.arch.tie_word_embeddings:
+            self.lm_head.load(reader, "lm_head")

@@ -1,0 +1,176 @@
+"""Parallel building blocks. Each layer owns its shard: its weight loader and shard
+arithmetic sit next to ``forward``, and the collective it needs is a visible call there.
+
+Sharding (tp = size of the group passed in, r = this rank's index in it):
+
+| layer                        | weight shard                       | forward collective        |
+|------------------------------|------------------------------------|---------------------------|
+| ColumnParallelLinear         | rows [r*out/tp, (r+1)*out/tp)      | none                      |
+| MergedColumnParallelLinear   | each merged part split by rows     | none                      |
+| QKVParallelLinear            | q heads split; kv heads split or replicated | none             |
+| RowParallelLinear            | columns [r*in/tp, (r+1)*in/tp)     | all_reduce of the output  |
+| VocabParallelEmbedding       | vocab rows, padded to tp * shard   | all_reduce                |
+| ParallelLMHead               | vocab rows, padded                 | all_gather of the logits  |
+
+Weights are read shard by shard from the checkpoint (``reader.read(name, dim, start, end)``),
+so no rank materialises the full weight of a sharded layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.comm.group import Group
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _split(total: int, parts: int, index: int) -> tuple[int, int]:
+    size = total // parts
+    return index * size, (index + 1) * size
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in float32 and cast back, as transformers does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def load(self, reader, name: str) -> None:
+        self.weight.copy_(reader.read(name))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [N, head_dim] for the given positions (the default RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim]; the rotate-half convention of Llama checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over the group; output stays sharded."""
+
+    def __init__(self, in_size: int, out_sizes: list[int], group: Group, bias: bool,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        for size in out_sizes:
+            if size % group.size:
+                raise ValueError(f"output size {size} must be divisible by the tp group size {group.size}")
+        self.group = group
+        self.out_sizes = [s // group.size for s in out_sizes]
+        self.weight = _empty(sum(self.out_sizes), in_size, dtype=dtype, device=device)
+        self.bias = _empty(sum(self.out_sizes), dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, reader, names: list[str]) -> None:
+        """One checkpoint tensor per merged part, each split by rows."""
+        offset = 0
+        for name, shard in zip(names, self.out_sizes):
+            start = self.group.rank_in_group * shard
+            self.weight[offset:offset + shard].copy_(reader.read(f"{name}.weight", 0, start, start + shard))
+            if self.bias is not None:
+                self.bias[offset:offset + shard].copy_(reader.read(f"{name}.bias", 0, start, start + shard))
+            offset += shard
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections. kv heads are split when there are at least as many as
+    ranks, otherwise replicated: rank r uses kv head r * num_kv_heads // tp."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, group: Group,
+                 bias: bool, dtype: torch.dtype, device: torch.device):
+        tp = group.size
+        self.num_local_kv_heads = max(num_kv_heads // tp, 1)
+        kv_out = self.num_local_kv_heads * head_dim * tp
+        super().__init__(hidden, [num_heads * head_dim, kv_out, kv_out], group, bias, dtype, device)
+        self.head_dim = head_dim
+        self.kv_start = (group.rank_in_group * num_kv_heads // tp) * head_dim
+
+    def load(self, reader, names: list[str]) -> None:
+        q, k, v = self.out_sizes
+        r = self.group.rank_in_group
+        parts = [(names[0], r * q, q), (names[1], self.kv_start, k), (names[2], self.kv_start, v)]
+        offset = 0
+        for name, start, size in parts:
+            self.weight[offset:offset + size].copy_(reader.read(f"{name}.weight", 0, start, start + size))
+            if self.bias is not None:
+                self.bias[offset:offset + size].copy_(reader.read(f"{name}.bias", 0, start, start + size))
+            offset += size
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b: W's input columns are split over the group."""
+
+    def __init__(self, in_size: int, out_size: int, group: Group, bias: bool,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if in_size % group.size:
+            raise ValueError(f"input size {in_size} must be divisible by the tp group size {group.size}")
+        self.group = group
+        self.in_shard = in_size // group.size
+        self.weight = _empty(out_size, self.in_shard, dtype=dtype, device=device)
+        self.bias = _empty(out_size, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load(self, reader, name: str) -> None:
+        start = self.group.rank_in_group * self.in_shard
+        self.weight.copy_(reader.read(f"{name}.weight", 1, start, start + self.in_shard))
+        if self.bias is not None:
+            self.bias.copy_(reader.read(f"{name}.bias"))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over the group in contiguous ranges (padded to a multiple of tp)."""
+
+    def __init__(self, vocab_size: int, hidden: int, group: Group, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.group = group
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // group.size)
+        self.start = group.rank_in_group * self.shard
+        self.end = min(self.start + self.shard, vocab_size)
+        self.weight = _empty(self.shard, hidden, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.group.all_reduce(out)
+
+    def load(self, reader, name: str) -> None:
+        self.weight.zero_()
+        self.weight[: self.end - self.start].copy_(reader.read(f"{name}.weight", 0, self.start, self.end))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the local vocab shard, gathered so every rank holds the full row."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.group.all_gather(logits, dim=-1)[:, : self.vocab_size]

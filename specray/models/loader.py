@@ -1,0 +1,57 @@
+"""Reading Hugging Face checkpoints: ``config.json`` plus one or more ``*.safetensors``
+files (sharded checkpoints carry ``model.safetensors.index.json``).
+
+Tensors are read slice by slice through safetensors' lazy slices, so a rank reads only
+its shard of a sharded layer and never holds the full weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointReader:
+    def __init__(self, checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device):
+        self.dir = Path(checkpoint_dir)
+        self.dtype, self.device = dtype, device
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"checkpoint directory {str(self.dir)!r} has no *.safetensors files")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as handle:
+                    weight_map.update({name: f.name for name in handle.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, file_name: str):
+        if file_name not in self._handles:
+            self._handles[file_name] = safe_open(self.dir / file_name, "pt")
+        return self._handles[file_name]
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The tensor ``name``, or its slice [start, end) along ``dim``, cast to the model dtype."""
+        if name not in self.weight_map:
+            raise ValueError(f"checkpoint {str(self.dir)!r} has no tensor {name!r}")
+        lazy = self._handle(self.weight_map[name]).get_slice(name)
+        if dim is None:
+            t = lazy[:]
+        else:
+            index = [slice(None)] * len(lazy.get_shape())
+            index[dim] = slice(start, end)
+            t = lazy[tuple(index)]
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
