@@ -81,10 +81,10 @@ def row_from_outputs(batch: int, outputs, wall_s: float) -> dict:
     )
 
 
-def measure_batch(llm, batch: int, bench: BenchConfig, params: SamplingParams, vocab_size: int,
-                  on_call=lambda: None) -> dict:
-    """Warm up, then time one generate call of ``batch`` fixed-length requests."""
-    prompts = random_prompts(batch, bench.input_len, vocab_size, bench.seed + batch)
+def measure_batch(llm, prompts: list[list[int]], bench: BenchConfig, params: SamplingParams,
+                  on_call=lambda: None) -> tuple[dict, list]:
+    """Warm up, then time one generate call of the prompts, each run to exactly output_len tokens.
+    Returns the row and the outputs of the timed call."""
     warm = dataclasses.replace(params, max_tokens=min(bench.output_len, WARMUP_MAX_TOKENS), ignore_eos=True)
     for _ in range(bench.warmup):
         llm.generate(prompts, warm)
@@ -94,7 +94,7 @@ def measure_batch(llm, batch: int, bench: BenchConfig, params: SamplingParams, v
     outputs = llm.generate(prompts, timed)
     wall_s = time.perf_counter() - start
     on_call()
-    return row_from_outputs(batch, outputs, wall_s)
+    return row_from_outputs(len(prompts), outputs, wall_s), outputs
 
 
 def run_sweep(llm, bench: BenchConfig, params: SamplingParams, vocab_size: int, progress: bool = True) -> list[dict]:
@@ -106,7 +106,9 @@ def run_sweep(llm, bench: BenchConfig, params: SamplingParams, vocab_size: int, 
         rows = []
         for batch in bench.batch_sizes:
             bar.set_postfix(batch=batch)
-            rows.append(measure_batch(llm, batch, bench, params, vocab_size, on_call=lambda: bar.update(1)))
+            prompts = random_prompts(batch, bench.input_len, vocab_size, bench.seed + batch)
+            row, _ = measure_batch(llm, prompts, bench, params, on_call=lambda: bar.update(1))
+            rows.append(row)
         return rows
 
 
