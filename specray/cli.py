@@ -129,16 +129,13 @@ def run_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     checkpoint = resolve_model(config.model, config.seed)
-    tokenizer = None
-    if args.prompt is not None:
+    try:
         tokenizer = load_tokenizer(checkpoint, is_byte_level=is_preset(config.model))
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        prompt = args.prompt_ids
-        try:
-            tokenizer = load_tokenizer(checkpoint, is_byte_level=is_preset(config.model))
-        except ValueError:
-            pass  # ids in, ids out: no tokenizer needed
+    except ValueError:
+        if args.prompt is not None:
+            raise
+        tokenizer = None  # ids in, ids out: no tokenizer needed
+    prompt = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
     with LLM(config) as llm:
         _print_geometry(llm)
         start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -57,22 +58,37 @@ def test_generate_prompt_text_goes_through_the_byte_tokenizer(capsys, reference)
     assert printed_text(out) == BYTES.decode(tokens)
 
 
-def test_generate_uses_the_checkpoints_tokenizer_json(capsys, tmp_path):
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint saved by transformers: no tokenizer.json."""
     from checkpoints import make_checkpoint
 
-    make_checkpoint("llama", tmp_path)
-    tokenizer_path = make_tokenizer_json(tmp_path)
-    code, out, _ = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "the drafts",
-                           "--max-tokens", "6", "--ignore-eos", *KV)
-    assert code == 0
+    return make_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def test_generate_uses_the_checkpoints_tokenizer_json(capsys, tmp_path, hf_checkpoint):
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(tokenizer_path)).encode("the drafts").ids
-    with LLM(EngineConfig(model=str(tmp_path), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as llm:
+    checkpoint = shutil.copytree(hf_checkpoint, tmp_path / "with-tokenizer")
+    tokenizer = Tokenizer.from_file(str(make_tokenizer_json(checkpoint)))
+    code, out, _ = run_cli(capsys, "generate", "--model", str(checkpoint), "--prompt", "the drafts",
+                           "--max-tokens", "6", "--ignore-eos", *KV)
+    assert code == 0
+    ids = tokenizer.encode("the drafts").ids
+    with LLM(EngineConfig(model=str(checkpoint), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as llm:
         tokens = llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-    expected = Tokenizer.from_file(str(tokenizer_path)).decode(tokens, skip_special_tokens=True)
-    assert printed_text(out) == expected
+    assert printed_text(out) == tokenizer.decode(tokens, skip_special_tokens=True)
     assert SUMMARY.search(out).group(1) == "6"
+
+
+def test_checkpoint_without_tokenizer_takes_ids_but_not_text(capsys, hf_checkpoint):
+    code, out, _ = run_cli(capsys, "generate", "--model", str(hf_checkpoint), "--prompt-ids", "3,4,5",
+                           "--max-tokens", "4", "--ignore-eos", *KV)
+    assert code == 0
+    assert out.splitlines()[1].startswith("output ids: ")  # no text line: nothing to decode with
+    code, _, err = run_cli(capsys, "generate", "--model", str(hf_checkpoint), "--prompt", "hi", *KV)
+    assert code == 2
+    assert err.startswith("error: ") and "has no tokenizer.json" in err and "--prompt-ids" in err
 
 
 @pytest.mark.parametrize("argv, rule", [
