@@ -26,11 +26,14 @@ import pickle
 import threading
 import time
 
+import logging
+
 import numpy as np
 
 from specray.comm.group import Group
 from specray.comm.shm import attach_segment, create_segment, segment_name, unlink_segment
 
+log = logging.getLogger(__name__)
 SLOT_HEADER = 64  # bytes: [seq + 1, message length, chunk length], padded to a cache line
 HEARTBEAT = None  # what ``recv`` returns for a heartbeat
 _FENCE = threading.Lock()
@@ -177,6 +180,7 @@ class PlanSender:
 
     def __init__(self, ring: ShmRing | None, control: Group, timeout_s: float):
         self.ring, self.control, self.timeout_s = ring, control, timeout_s
+        self.transport = "+".join(t for t, on in (("shm", ring is not None), ("cpu-group", control.size > 1)) if on)
 
     def send(self, message: object) -> None:
         if self.ring is not None:
@@ -198,6 +202,7 @@ class PlanReceiver:
 
     def __init__(self, ring: ShmRing | None, control: Group):
         self.ring, self.control = ring, control
+        self.transport = "shm" if ring is not None else "cpu-group"
 
     def recv(self, timeout_s: float | None) -> object:
         """The next message, or ``HEARTBEAT``; over gloo the group timeout applies instead."""
@@ -229,6 +234,7 @@ def open_channel(ctx, num_slots: int = 8, slot_bytes: int = 64 << 10) -> PlanSen
     finally:
         if ctx.rank == 0 and name is not None:
             unlink_segment(name)
-    if ctx.rank == 0:
-        return PlanSender(ring, ctx.control, ctx.timeout_s)
-    return PlanReceiver(ring, ctx.control)
+    end = PlanSender(ring, ctx.control, ctx.timeout_s) if ctx.rank == 0 else PlanReceiver(ring, ctx.control)
+    log.info("step plans reach %s by shared memory and %s by the CPU group", local or "no rank",
+             [r for r in range(1, ctx.world_size) if r not in local] or "no rank")
+    return end

@@ -25,7 +25,7 @@ class RankFailure(RuntimeError):
         return cls.build(what, dead, errors, detail)
 
     @classmethod
-    def build(cls, what: str, dead: list[tuple[int, int, int | None]], errors: dict[int, str],
+    def build(cls, what: str, dead: list[tuple[int, int, int | str | None]], errors: dict[int, str],
               detail: str = "") -> RankFailure:
         """``dead``: (rank, pid, exit code); ``errors``: rank -> the error it reported."""
         parts = [f"rank {r} (pid {pid}) died ({describe_exit(code)})" for r, pid, code in dead]
@@ -52,7 +52,9 @@ def _error_reports(conns) -> dict[int, str]:
     return errors
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(code: int | str | None) -> str:
+    if isinstance(code, str):
+        return code
     if code is None:
         return "unresponsive"
     if code < 0:

@@ -9,8 +9,11 @@ one, so followers waiting for a plan can tell an idle rank 0 from a dead one.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from specray.comm.channel import PlanReceiver, PlanSender, open_channel
 from specray.comm.context import DistContext
@@ -39,6 +42,8 @@ class RankSession:
 def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None) -> RankSession:
     """Collective over every rank of the job."""
     configure_rank_logging(rdzv.rank)
+    if config.device == "cpu":
+        share_cpu_threads(rdzv.local_world_size)
     ctx = DistContext.create(rdzv, config.parallel, config.device, store)
     try:
         worker = RankWorker(config, ctx)
@@ -49,6 +54,13 @@ def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None) -> RankSessio
         raise
     log.info("rank %d/%d on node %d ready (job %s)", ctx.rank, ctx.world_size, ctx.node_id, ctx.job_id)
     return RankSession(ctx, worker, channel)
+
+
+def share_cpu_threads(num_local_ranks: int) -> None:
+    """CPU ranks on one host split its cores: oversubscribed intra-op threads make every
+    rank wait on the slowest at each collective."""
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // num_local_ranks))
 
 
 def error_reply(exc: BaseException, is_fatal: bool) -> tuple:

@@ -15,7 +15,7 @@ from specray.comm.group import Group
 
 
 def fold(digest: int, tokens: list[int]) -> int:
-    return zlib.crc32(array("q", tokens).tobytes(), digest)
+    return zlib.crc32(array("q", [len(tokens), *tokens]).tobytes(), digest)  # the count marks step boundaries
 
 
 class TokenDivergence(RuntimeError):
