@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 
@@ -82,6 +83,7 @@ class MPEngine:
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
+        self._call_lock = threading.Lock()
         try:
             self._spawn()
             replies = self._await([self._conns[r] for r in range(self.world_size)], "start-up",
@@ -141,10 +143,11 @@ class MPEngine:
         return failure
 
     def generate(self, prompts, params):
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-        self._conns[0].send(("generate", prompts, params))
-        return self._await([self._conns[0]], "generate")[0][1]
+        with self._call_lock:  # one call at a time on the pipe to rank 0
+            if self._closed:
+                raise RuntimeError("this LLM is closed")
+            self._conns[0].send(("generate", prompts, params))
+            return self._await([self._conns[0]], "generate")[0][1]
 
     def close(self) -> None:
         if self._closed:

@@ -75,7 +75,8 @@ def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], rep
     while True:
         request = next_request(heartbeat_s)
         if request is None:
-            engine.channel.heartbeat()
+            if engine.channel is not None:
+                engine.channel.heartbeat()
             continue
         if request[0] == "close":
             return
