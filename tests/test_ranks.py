@@ -130,6 +130,7 @@ def test_token_digest_depends_on_every_token_and_its_order():
     assert fold(0, [1, 2, 4]) != base
     assert fold(0, [3, 2, 1]) != base
     assert fold(fold(0, [1]), [2, 3]) != base  # steps are folded one at a time: boundaries differ
+    assert fold(0, [[1, 2], [3]]) != fold(0, [[1], [2, 3]])  # several tokens per sequence (drafts)
 
 
 def test_failure_names_the_dead_rank_before_the_ranks_that_only_reported_errors():
