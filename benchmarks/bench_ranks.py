@@ -132,7 +132,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--tp1-threads", type=int, default=None,
+                        help="intra-op threads of the TP=1 run (default: torch's, all cores); on a host shared "
+                             "with other work, 1 avoids the OpenMP spin-wait collapse of an oversubscribed CPU")
     args = parser.parse_args()
+    if args.tp1_threads:
+        torch.set_num_threads(args.tp1_threads)
 
     load_before = os.getloadavg()[0]
     decode = [bench_decode(tp, args.max_tokens, timeout_s=300) for tp in (1, 2)]
