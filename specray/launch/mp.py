@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 
 from specray.comm.rendezvous import Rendezvous, host_key, host_store, new_job_id
 from specray.config import EngineConfig
+from specray.envs import forwarded_env
 from specray.executor.engine import EngineCore
 from specray.launch.procs import RankFailure, describe_exit, stop_processes
 from specray.launch.rank import error_reply, exception_from_reply, run_follower, serve, start_rank
@@ -28,8 +29,9 @@ from specray.launch.rank import error_reply, exception_from_reply, run_follower,
 log = logging.getLogger(__name__)
 
 
-def _rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
-    """Entry point of one rank process."""
+def _rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection, env: dict[str, str]) -> None:
+    """Entry point of one rank process; ``env``: the driver's forwarded variables."""
+    os.environ.update(env)
     session = None
     try:
         session = start_rank(config, rdzv)
@@ -101,7 +103,7 @@ class MPEngine:
                               local_world_size=self.world_size, node_key=host_key(),
                               store_host="127.0.0.1", store_port=self._store.port, job_id=self.job_id)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(self.config, rdzv, child), daemon=True,
+            proc = ctx.Process(target=_rank_main, args=(self.config, rdzv, child, forwarded_env()), daemon=True,
                                name=f"specray-{self.job_id}-rank{rank}")
             proc.start()
             child.close()
