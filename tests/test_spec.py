@@ -155,6 +155,26 @@ def test_no_page_leaks_after_rollbacks_and_preemptions(ckpt, plain):
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
+@pytest.mark.parametrize("page", [16, 128])
+def test_draft_pool_with_another_page_size_than_the_target(ckpt, page):
+    # the block-decode kernel takes 32 or 64: a 16- or 128-token target falls back to 32
+    with LLM(config(ckpt, "draft_model", k=3, page=page)) as llm:
+        assert llm.geometry["draft"].tokens_per_block == 32
+        outs = llm.generate(PROMPTS, PARAMS)
+        engine = llm._engine
+        assert engine.draft_allocator.num_free == engine.draft_allocator.num_blocks
+    with LLM(config(ckpt, page=page)) as llm:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_greedy_and_sampled_requests_share_a_batch(ckpt, plain):
+    sampled = SamplingParams(max_tokens=64, temperature=0.8, seed=11, ignore_eos=True)
+    with LLM(config(ckpt, "eagle3", k=3)) as llm:
+        outs = llm.generate(PROMPTS, [PARAMS, sampled, PARAMS, sampled])
+    assert outs[0].token_ids == plain[32][0] and outs[2].token_ids == plain[32][2]
+    assert outs[1].token_ids != plain[32][1]
+
+
 def test_seeded_speculative_sampling_is_reproducible(ckpt):
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
     with LLM(config(ckpt, "draft_model", k=3)) as llm:

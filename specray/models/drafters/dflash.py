@@ -9,8 +9,8 @@ sequence of L tokens whose target KV covers positions [0, L - 1):
    projections, RoPE at the context positions) into the draft pool;
 2. the block [t_{L-1}, mask x k] at positions L-1 .. L+k-1 runs through the layers; its
    queries attend *without a causal mask* to the whole context and the whole block;
-3. the outputs at the k mask positions, through the target's final-norm-free LM head
-   after the drafter's own ``norm``, are drafts 1..k: all k in one forward.
+3. the outputs at the k mask positions, through the drafter's own final ``norm`` and the
+   target's LM head, are drafts 1..k: all k in one forward.
 
 The embedding and the LM head are the target's. Block positions are scratch: next step's
 context injection overwrites them, so the cache is valid below L - 1 only.
@@ -104,5 +104,6 @@ class DFlashDrafter(nn.Module):
         for layer, pool in zip(self.layers, batch.pools):
             self._write_context(layer, context, ctx_cos, ctx_sin, pool, ctx_meta.slot_mapping)
             x = layer(x, cos, sin, pool, meta)
-        logits = self.target[0].logits(self.norm(x)).view(len(seqs), k + 1, -1)
-        return torch.stack([choose(logits[:, j + 1], j) for j in range(k)], dim=1)
+        masks = x.view(len(seqs), k + 1, -1)[:, 1:].reshape(len(seqs) * k, -1)  # row 0 (t_{L-1}) drafts nothing
+        logits = self.target[0].logits(self.norm(masks)).view(len(seqs), k, -1)
+        return torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)
