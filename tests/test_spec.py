@@ -212,3 +212,19 @@ def test_checkpoint_target_without_draft_model_is_rejected(ckpt):
     target, _ = ckpt
     with pytest.raises(ValueError, match="needs spec.draft_model"):
         LLM(EngineConfig(model=str(target), spec=SpecConfig(method="draft_model")))
+
+
+def test_bench_cli_reports_acceptance_and_plots(ckpt, tmp_path):
+    import json
+
+    from specray import cli
+
+    target, drafters = ckpt
+    code = cli.main(["bench", "--model", str(target), "--spec", "draft_model", "--draft-model",
+                     str(drafters["draft_model"]), "--num-draft-tokens", "3", "--input-len", "8", "--output-len", "8",
+                     "--batch-sizes", "1,2", "--warmup", "0", "--no-progress", "--json", str(tmp_path / "b.json"),
+                     "--plot", str(tmp_path / "b.png")])
+    assert code == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert all(1.0 <= r["acceptance_length"] <= 4.0 and len(r["acceptance_per_position"]) == 3 for r in rows)
+    assert (tmp_path / "b.png").stat().st_size > 0
