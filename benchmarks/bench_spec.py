@@ -37,13 +37,14 @@ from pathlib import Path
 
 import torch
 
-from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor import spec_metrics
 from specray.models.presets import materialize
 
 TARGET = "mid-llama"
+VOCAB_SIZE = 32000  # mid-llama's
 DRAFTERS = {"draft_model": "mid-llama-draft", "dflash": "mid-llama-dflash"}
-COLUMNS = [("method", "method", "s"), ("k", "k", "s"), ("force", "force", "s"), ("batch", "batch", "d"),
+COLUMNS = [("tp", "tp", "d"), ("method", "method", "s"), ("k", "k", "s"), ("force", "force", "s"), ("batch", "batch", "d"),
            ("tok_s", "tok/s", ".1f"), ("acceptance_length", "AL", ".2f"), ("speedup", "speedup", ".2f"),
            ("ideal_speedup", "ideal", ".2f"), ("efficiency", "eff", ".2f"), ("draft_ms", "draft ms", ".1f"),
            ("verify_ms", "verify ms", ".1f"), ("step_ms", "step ms", ".1f")]
@@ -77,20 +78,23 @@ class StepTimer:
         runner._draft, runner._score = timed_draft, timed_score
 
 
-def run_specray(spec: SpecConfig | None, batch: int, args) -> dict:
+def run_specray(spec: SpecConfig | None, batch: int, tp: int, args) -> dict:
     cfg = EngineConfig(model=TARGET, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384),
+                       parallel=ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local"),
                        spec=spec or SpecConfig())
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     with LLM(cfg) as llm:
-        prompts = prompts_for(batch, args.input_len, llm._engine.worker.arch.vocab_size)
+        prompts = prompts_for(batch, args.input_len, VOCAB_SIZE)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        timer = StepTimer(llm._engine.worker.spec) if spec is not None else None
+        # rank 0's runner is in this process only at TP=1 (mp ranks are child processes)
+        runner = getattr(getattr(llm._engine, "worker", None), "spec", None)
+        timer = StepTimer(runner) if runner is not None else None
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
     agg = spec_metrics.aggregate([o.metrics for o in outs])
     steps = max(1, max(len(o.token_ids) for o in outs) - 1)  # plain: one step per token after the first
-    row = dict(batch=batch, tok_s=batch * args.output_len / wall, wall_s=wall, step_ms=wall / steps * 1e3,
+    row = dict(tp=tp, batch=batch, tok_s=batch * args.output_len / wall, wall_s=wall, step_ms=wall / steps * 1e3,
                tokens=[o.token_ids for o in outs], acceptance_length=agg.get("acceptance_length", 1.0),
                acceptance_per_position=agg.get("acceptance_per_position", []))
     if timer is not None and timer.num_steps:
@@ -121,6 +125,19 @@ def run_transformers(k: int, args) -> dict:
             wall = time.perf_counter() - start
         out[name] = dict(tok_s=args.output_len / wall, wall_s=wall, tokens=tokens[0, ids.shape[1]:].tolist())
     return out
+
+
+def measure_row(spec: SpecConfig, batch: int, tp: int, base: dict, args) -> dict:
+    r = run_specray(spec, batch, tp, args)
+    force = spec.force_accepted_tokens
+    r.update(method=spec.method, k=str(spec.num_draft_tokens), force="-" if force is None else f"{force:g}",
+             speedup=r["tok_s"] / base["tok_s"])
+    if force is None:
+        r["lossless"] = r["tokens"] == base["tokens"]
+    if "draft_ms" in r:
+        r["ideal_speedup"] = r["acceptance_length"] * base["step_ms"] / (r["draft_ms"] + r["verify_ms"])
+        r["efficiency"] = r["speedup"] / r["ideal_speedup"]
+    return r
 
 
 def grid(args) -> list[tuple[str, int, float | None, int]]:
@@ -172,30 +189,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared 2-core box)")
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes, e.g. 1,2 (TP>1 runs under the mp launcher)")
     ap.add_argument("--json", type=Path, default=Path("bench-results/spec_mid-llama.json"))
     ap.add_argument("--plot", type=Path, default=None, help="tok/s vs batch and per-position acceptance (PNG)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     configs = grid(args)
-    plain = {b: run_specray(None, b, args) for b in sorted({c[3] for c in configs})}
+    tps = [int(t) for t in args.tp.split(",")]
+    plains = {(tp, b): run_specray(None, b, tp, args) for tp in tps for b in sorted({c[3] for c in configs})}
+    plain = {b: p for (tp, b), p in plains.items() if tp == tps[0]}
     rows = []
-    for method, k, force, batch in configs:
-        spec = SpecConfig(method=method, draft_model=DRAFTERS[method], num_draft_tokens=k, force_accepted_tokens=force)
-        r = run_specray(spec, batch, args)
-        base = plain[batch]
-        r.update(method=method, k=str(k), force="-" if force is None else f"{force:g}", speedup=r["tok_s"] / base["tok_s"])
-        if force is None:
-            r["lossless"] = r["tokens"] == base["tokens"]
-        if "draft_ms" in r:
-            r["ideal_speedup"] = r["acceptance_length"] * base["step_ms"] / (r["draft_ms"] + r["verify_ms"])
-            r["efficiency"] = r["speedup"] / r["ideal_speedup"]
-        rows.append(r)
-        print(format_table([r]).splitlines()[-1], flush=True)
+    for tp in tps:
+        for method, k, force, batch in configs:
+            spec = SpecConfig(method=method, draft_model=DRAFTERS[method], num_draft_tokens=k,
+                              force_accepted_tokens=force)
+            rows.append(measure_row(spec, batch, tp, plains[tp, batch], args))
+            print(format_table([rows[-1]]).splitlines()[-1], flush=True)
     hf = run_transformers(min(int(c[1]) for c in configs), args)
-    print(f"\nTP=1, {args.threads} thread(s), input {args.input_len}, output {args.output_len}, greedy\n")
-    print("plain: " + ", ".join(f"batch {b}: {p['tok_s']:.1f} tok/s ({p['step_ms']:.1f} ms/step)" for b, p in plain.items()))
+    print(f"\n{args.threads} thread(s) per rank, input {args.input_len}, output {args.output_len}, greedy\n")
+    print("plain: " + ", ".join(f"tp {tp} batch {b}: {p['tok_s']:.1f} tok/s ({p['step_ms']:.1f} ms/step)"
+                                for (tp, b), p in plains.items()))
     print(format_table(rows))
-    ours = next(r for r in rows if r["method"] == "draft_model" and r["batch"] == 1 and r["force"] == "-")
+    ours = next(r for r in rows if r["method"] == "draft_model" and r["batch"] == 1 and r["force"] == "-"
+                and r["tp"] == tps[0])
     print(f"\nbatch 1, draft_model k={ours['k']}: specray {ours['tok_s']:.1f} tok/s; transformers assisted "
           f"{hf['hf_assisted']['tok_s']:.1f} tok/s ({ours['tok_s'] / hf['hf_assisted']['tok_s']:.2f}x, target >= 2x); "
           f"transformers plain {hf['hf_plain']['tok_s']:.1f} tok/s; same tokens as transformers assisted: "
@@ -205,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     strip = lambda r: {k: v for k, v in r.items() if k != "tokens"}  # noqa: E731
     args.json.write_text(json.dumps(dict(
         target=TARGET, drafters=DRAFTERS, threads=args.threads, input_len=args.input_len, output_len=args.output_len,
-        machine=platform.processor() or platform.machine(), plain={b: strip(p) for b, p in plain.items()},
+        machine=platform.processor() or platform.machine(), plain=[strip(p) for p in plains.values()],
         rows=[strip(r) for r in rows], transformers={n: strip(v) for n, v in hf.items()}), indent=2))
     print(f"wrote {args.json}")
     if args.plot:
-        plot(rows, plain, args.plot)
+        plot([r for r in rows if r["tp"] == tps[0]], plain, args.plot)
         print(f"wrote {args.plot}")
     return 0
 

@@ -175,6 +175,15 @@ def test_greedy_and_sampled_requests_share_a_batch(ckpt, plain):
     assert outs[1].token_ids != plain[32][1]
 
 
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(ckpt, plain):
+    expected = plain[32][1]
+    stop = expected[20]
+    params = SamplingParams(max_tokens=64, stop_token_ids=(stop,))
+    with LLM(config(ckpt, "draft_model", k=7)) as llm:
+        out = llm.generate([PROMPTS[1]], params)[0]
+    assert out.token_ids == expected[: expected.index(stop) + 1] and out.finish_reason == "stop"
+
+
 def test_seeded_speculative_sampling_is_reproducible(ckpt):
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
     with LLM(config(ckpt, "draft_model", k=3)) as llm:
