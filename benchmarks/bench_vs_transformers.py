@@ -15,6 +15,10 @@ Reported per batch size: end-to-end tok/s (batch * output_len / wall time of one
 call), TTFT and decode time per token. transformers has no per-token timestamps, so its TTFT
 is timed as a separate ``max_new_tokens=1`` call and its TPOT is (total - TTFT) / (output_len - 1).
 
+Each row also compares the CPU time of this process over the same call (``CPU-time
+speedup`` = transformers CPU s / specray CPU s): with ``--threads 1`` it counts work done
+rather than time spent waiting for a core, so it is the steadier number on a busy machine.
+
 Roofline: a batch-1 decode step must read every weight once (the embedding only one row),
 so it cannot take less than weight bytes / memory bandwidth. The bandwidth is measured in the
 same run as a large tensor copy (bytes read + written over the time). The printed percentage
@@ -52,6 +56,7 @@ COLUMNS = [
     ("hf_tok_s", "HF tok/s", ".1f"),
     ("speedup", "speedup", ".2f"),
     ("target", "target", ".1f"),
+    ("cpu_speedup", "CPU-time speedup", ".2f"),
     ("specray_tpot_ms", "specray TPOT ms", ".2f"),
     ("hf_tpot_ms", "HF TPOT ms", ".2f"),
     ("specray_ttft_ms", "specray TTFT ms", ".1f"),
@@ -61,7 +66,10 @@ COLUMNS = [
 
 
 def copy_bandwidth(num_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Bytes per second read plus written by the best of ``repeats`` large tensor copies."""
+    """Bytes per second read plus written by the best of ``repeats`` large tensor copies, on
+    every core whatever ``--threads`` says: the roofline is the machine's, not one thread's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -69,6 +77,7 @@ def copy_bandwidth(num_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
     return 2 * num_bytes / best
 
 
@@ -108,9 +117,11 @@ def measure_transformers(model, prompts: list[list[int]], bench: BenchConfig) ->
     for _ in range(bench.warmup):
         _hf_generate(model, ids, min(bench.output_len, 8))
     _, ttft = _hf_generate(model, ids, 1)
+    start_cpu = time.process_time()
     tokens, wall = _hf_generate(model, ids, bench.output_len)
+    cpu_s = time.process_time() - start_cpu
     tpot = (wall - ttft) / (bench.output_len - 1)
-    return dict(total_tok_s=len(prompts) * bench.output_len / wall, wall_s=wall, ttft_ms=ttft * 1e3,
+    return dict(total_tok_s=len(prompts) * bench.output_len / wall, wall_s=wall, cpu_s=cpu_s, ttft_ms=ttft * 1e3,
                 tpot_ms=tpot * 1e3, tokens=tokens.tolist())
 
 
@@ -148,6 +159,7 @@ def compare(spec: dict[int, dict], hf: dict[int, dict]) -> list[dict]:
         pairs = [(a, b) for sa, ha in zip(s["tokens"], h["tokens"]) for a, b in zip(sa, ha)]
         rows.append(dict(batch=batch, specray_tok_s=s["total_tok_s"], hf_tok_s=h["total_tok_s"],
                          speedup=s["total_tok_s"] / h["total_tok_s"], target=TARGETS.get(batch, float("nan")),
+                         cpu_speedup=h["cpu_s"] / s["cpu_s"], specray_cpu_s=s["cpu_s"], hf_cpu_s=h["cpu_s"],
                          specray_tpot_ms=s["tpot_p50_ms"], hf_tpot_ms=h["tpot_ms"],
                          specray_ttft_ms=s["ttft_p50_ms"], hf_ttft_ms=h["ttft_ms"],
                          token_match=sum(a == b for a, b in pairs) / len(pairs)))
@@ -169,12 +181,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per side and batch; the fastest counts")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (default: torch's choice); 1 makes CPU time a fair "
+                             "measure of work on a shared machine")
     parser.add_argument("--json", default="bench-results/bench_vs_transformers.json")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     bench = BenchConfig(input_len=args.input_len, output_len=args.output_len, warmup=args.warmup,
                         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
     checkpoint = materialize(MODEL)

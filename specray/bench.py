@@ -102,11 +102,13 @@ def measure_batch(llm, prompts: list[list[int]], bench: BenchConfig, params: Sam
         llm.generate(prompts, warm)
         on_call()
     timed = dataclasses.replace(params, max_tokens=bench.output_len, ignore_eos=True)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, timed)
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     on_call()
-    return row_from_outputs(len(prompts), outputs, wall_s), outputs
+    # CPU time of this process (all its threads): on a shared machine it counts the work
+    # done rather than the time spent waiting for a core.
+    return dict(row_from_outputs(len(prompts), outputs, wall_s), cpu_s=cpu_s), outputs
 
 
 def run_sweep(llm, bench: BenchConfig, params: SamplingParams, vocab_size: int, progress: bool = True) -> list[dict]:
