@@ -197,13 +197,16 @@ def main(argv=None) -> dict:
     checkpoint = materialize(MODEL)
     vocab_size = read_arch(checkpoint).vocab_size
     prompts = {b: random_prompts(b, bench.input_len, vocab_size, seed=b) for b in bench.batch_sizes}
+    load_before = os.getloadavg()[0]  # other processes' load: how far to trust the timings
     bandwidths = [copy_bandwidth()]
     print(f"copy bandwidth (read + write): {bandwidths[0] / 1e9:.1f} GB/s, torch threads {torch.get_num_threads()}")
     spec, hf = run_both(checkpoint, prompts, bench, args.repeats, bandwidths)
     bandwidth = max(bandwidths)  # the least disturbed measurement: the strictest roofline
     rows = compare(spec, hf)
     roof = roofline(checkpoint, spec[min(spec)]["tpot_p50_ms"], bandwidth)
-    print(f"\n{MODEL} float32, input {bench.input_len}, output {bench.output_len} (one run; the machine may be shared)")
+    load = (load_before, os.getloadavg()[0])
+    print(f"\n{MODEL} float32, input {bench.input_len}, output {bench.output_len}, one run; 1-min load average "
+          f"{load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs (above the CPU count: timings are noisy)")
     print(format_table(rows, COLUMNS))
     print(f"batch-{min(spec)} decode: {roof['achieved_tpot_ms']:.2f} ms/token achieved vs roofline "
           f"{roof['roofline_tpot_ms']:.2f} ms ({roof['weight_bytes_per_token'] / 1e6:.0f} MB of weights / "
@@ -211,7 +214,8 @@ def main(argv=None) -> dict:
           f"(target {ROOFLINE_TARGET:.0%})")
     report = dict(model=MODEL, dtype="float32", bench=dict(input_len=bench.input_len, output_len=bench.output_len,
                   warmup=bench.warmup, repeats=args.repeats), rows=rows, roofline=roof,
-                  machine=dict(cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                  machine=dict(cpu_count=os.cpu_count(), load_average_before_after=load,
+                               torch_threads=torch.get_num_threads(),
                                torch=torch.__version__, platform=platform.platform()))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
