@@ -120,7 +120,9 @@ def measure_transformers(model, prompts: list[list[int]], bench: BenchConfig) ->
     start_cpu = time.process_time()
     tokens, wall = _hf_generate(model, ids, bench.output_len)
     cpu_s = time.process_time() - start_cpu
-    tpot = (wall - ttft) / (bench.output_len - 1)
+    # Derived from two separate calls: when other processes slow the one-token call more than
+    # the full one, the difference is meaningless, and is reported as NaN rather than negative.
+    tpot = (wall - ttft) / (bench.output_len - 1) if wall > ttft else float("nan")
     return dict(total_tok_s=len(prompts) * bench.output_len / wall, wall_s=wall, cpu_s=cpu_s, ttft_ms=ttft * 1e3,
                 tpot_ms=tpot * 1e3, tokens=tokens.tolist())
 
