@@ -102,6 +102,13 @@ def output_ids(stdout: str) -> list[int]:
     return [int(t) for t in lines[0].removeprefix("output ids: ").split(",")]
 
 
+def test_ray_job_refuses_another_launcher_before_touching_ray(capsys):
+    from specray.launch.ray_job import main
+
+    assert main(["generate", "--prompt-ids", "1,2", "--launcher", "mp"]) == 2
+    assert "error: ray_job runs the ranks as Ray actors; drop --launcher mp" in capsys.readouterr().err
+
+
 def test_ray_job_submit_runs_generate_on_the_cluster(ray_env, tiny_checkpoints, tmp_path):
     if dashboard_missing() is not None:
         pytest.skip(f"`ray job submit` needs the dashboard's jobs API, i.e. ray[default] (pip install -e '.[test]'): "
