@@ -1,5 +1,5 @@
 """Run by tests/test_ray_cluster.py in a subprocess: a simulated two-node Ray cluster
-(``ray.cluster_utils.Cluster``, two logical CPUs per node, loopback only) and three
+(``ray.cluster_utils.Cluster``, two logical CPUs per node, loopback only) and four
 scenarios on it, in one driver. Prints one JSON line of observations; the test asserts.
 
 A subprocess because a ``Cluster`` needs a Ray driver of its own: the test session shares
@@ -93,6 +93,19 @@ def unsatisfiable(llama: str) -> dict:
                 groups_left=[g["name"] for g in groups if g["state"] != "REMOVED"])
 
 
+def startup_fault(llama: str) -> dict:
+    """TP=2 across the nodes, rank 1 told by the user's runtime_env to allocate 2 extra blocks:
+    the variable must reach the actor on the other node, and the fingerprint check stop start-up."""
+    env = {"env_vars": {"SPECRAY_FAULT_KV_EXTRA_BLOCKS": "1:2"}}
+    try:
+        LLM(config(llama, tp_size=2, placement_strategy="STRICT_SPREAD", runtime_env=env))
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    groups = placement_group_table().values()
+    return dict(error=error, groups_left=[g["name"] for g in groups if g["state"] != "REMOVED"])
+
+
 def killed_rank(llama: str) -> dict:
     """TP=2 in the user's own STRICT_SPREAD group (launcher auto), one rank per node; SIGKILL
     rank 1 (the other node) in the middle of a long call. The user's group must survive."""
@@ -127,6 +140,7 @@ def main(llama: str, moe: str) -> None:
         worker = cluster.add_node(**NODE)
         driver_node = ray.get_runtime_context().get_node_id()
         report = dict(driver_node=driver_node, worker_node=worker.node_id, unsatisfiable=unsatisfiable(llama),
+                      startup_fault=startup_fault(llama),
                       killed=killed_rank(llama), packed=two_plus_two(moe))
     finally:
         ray.shutdown()

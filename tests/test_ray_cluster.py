@@ -110,6 +110,13 @@ def test_two_node_cluster_placement_failures_and_cleanup(cluster_report):
     assert "STRICT_SPREAD puts each rank on its own node, but the cluster has 2 nodes" in bad["error"]
     assert 3.0 <= bad["elapsed_s"] < 3.0 + 10.0 and bad["groups_left"] == []
 
+    # The user's runtime_env reaches the actor on the other node (it makes rank 1 allocate more),
+    # and the start-up failure is named and cleaned up.
+    fault = report["startup_fault"]
+    assert fault["error"].startswith("RankFailure: start-up failed: rank "), fault["error"]
+    assert "KV geometry mismatch: rank 1 allocated target.num_blocks" in fault["error"]
+    assert fault["groups_left"] == []
+
     # The user's STRICT_SPREAD group, one rank per node: rank 0 on the driver's node, whichever
     # bundle Ray put there; across nodes the plans travel over the CPU group.
     killed = report["killed"]
