@@ -14,8 +14,8 @@ import dataclasses
 import sys
 import time
 
-from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, SPEC_METHODS, EngineConfig, KVConfig,
-                            ParallelConfig, SamplingParams, SpecConfig)
+from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, PLACEMENT_STRATEGIES, SPEC_METHODS, EngineConfig,
+                            KVConfig, ParallelConfig, SamplingParams, SpecConfig)
 
 EXIT_USAGE = 2  # argparse's code for bad arguments; config errors use it too
 
@@ -49,6 +49,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--launcher", default=p.launcher, choices=LAUNCHERS)
     g.add_argument("--allreduce", default=p.allreduce, choices=ALLREDUCE_MODES)
     g.add_argument("--timeout-s", type=float, default=p.timeout_s, help="limit of every collective and wait")
+    g = parser.add_argument_group("Ray launcher")
+    g.add_argument("--placement-strategy", default=p.placement_strategy, choices=PLACEMENT_STRATEGIES,
+                   help="how the ranks' placement group spreads over nodes")
+    g.add_argument("--placement-timeout-s", type=float, default=p.placement_timeout_s,
+                   help="fail when the placement group is not placed within this time")
+    g.add_argument("--failure-timeout-s", type=float, default=p.failure_timeout_s,
+                   help="a dead or hung rank fails the call within this time")
     g = parser.add_argument_group("KV pools")
     g.add_argument("--tokens-per-block", type=int, default=kv.tokens_per_block, help="page size (power of two)")
     g.add_argument("--kv-capacity-tokens", type=int, default=kv.capacity_tokens,
@@ -78,7 +85,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         parallel=ParallelConfig(tp_size=args.tp, moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
-                                launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s),
+                                launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s,
+                                placement_strategy=args.placement_strategy,
+                                placement_timeout_s=args.placement_timeout_s,
+                                failure_timeout_s=args.failure_timeout_s),
         kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,
                     memory_fraction=args.kv_memory_fraction),
         spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 LAUNCHERS = ("auto", "local", "mp", "ray", "external")
 ALLREDUCE_MODES = ("auto", "one_shot", "torch")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp")
 STANDALONE_DRAFTERS = ("draft_model", "dflash")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,6 +46,19 @@ class ParallelConfig:
     check_every_step: bool = False
     """Debug: compare every step's sampled tokens across ranks (one extra gather per step).
     Without it the ranks still compare a digest of all their tokens at the end of each call."""
+    placement_strategy: str = "PACK"
+    """ray: how the placement group (one bundle per rank) spreads over nodes: PACK (fewest nodes),
+    SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one rank per node)."""
+    placement_group: object | None = None
+    """ray: a ready-made ``PlacementGroup`` with one bundle per rank, used as it is: specray
+    neither changes nor removes it, and ``placement_strategy`` does not apply."""
+    placement_timeout_s: float = 60.0
+    """ray: how long to wait for the placement group's resources before failing with an error."""
+    failure_timeout_s: float = 30.0
+    """ray: a rank whose actor dies or stops answering fails the call within this many seconds."""
+    runtime_env: dict | None = None
+    """ray: the rank actors' runtime_env (pip, working_dir, env_vars, ...); its env_vars add to
+    the driver variables every rank receives (``specray.envs.forwarded_env``)."""
 
     def __post_init__(self) -> None:
         _require(self.tp_size >= 1, f"tp_size ({self.tp_size}) must be >= 1")
@@ -61,6 +75,22 @@ class ParallelConfig:
         )
         _require(self.launcher != "local" or self.tp_size == 1,
                  f"launcher 'local' runs one rank in this process, so tp_size ({self.tp_size}) must be 1")
+        self._validate_ray_fields()
+
+    def _validate_ray_fields(self) -> None:
+        _require(self.placement_strategy in PLACEMENT_STRATEGIES,
+                 f"placement_strategy {self.placement_strategy!r} must be one of {PLACEMENT_STRATEGIES}")
+        for name in ("placement_timeout_s", "failure_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"{name} ({value}) must be > 0")
+        _require(self.placement_group is None or self.launcher in ("auto", "ray"),
+                 f"placement_group is a Ray placement group, so launcher ({self.launcher!r}) must be 'ray' or 'auto'")
+        env = self.runtime_env
+        _require(env is None or isinstance(env, dict), f"runtime_env ({env!r}) must be a dict or None")
+        env_vars = (env or {}).get("env_vars", {})
+        _require(isinstance(env_vars, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in env_vars.items()),
+                 f"runtime_env['env_vars'] ({env_vars!r}) must map variable names to string values")
 
     @property
     def world_size(self) -> int:

@@ -12,8 +12,21 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 
 Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and
-the thread-count knobs. Nothing else crosses, so a rank's behaviour does not depend on
-what the forkserver or the Ray worker happened to inherit.
+the thread-count knobs. Nothing else of the driver's crosses, so a rank's behaviour does not
+depend on what the forkserver or the Ray worker happened to inherit.
+
+The allowlist (``FORWARDED_PREFIXES``, ``FORWARDED_NAMES``):
+
+| forwarded                                         | why                                          |
+|---------------------------------------------------|----------------------------------------------|
+| SPECRAY_*                                         | the per-rank knobs above, SPECRAY_CACHE      |
+| NCCL_*, TORCH_NCCL_*, GLOO_*, TORCH_DISTRIBUTED_* | interfaces, timeouts and debug of the groups |
+| OMP_NUM_THREADS, MKL_NUM_THREADS                  | an explicit thread count wins over the split |
+| TOKENIZERS_PARALLELISM, HF_HUB_OFFLINE            | tokenizer threads; no hub access on ranks    |
+
+Under Ray (possibly on other nodes) they travel in each actor's ``runtime_env["env_vars"]``,
+under the user's ``ParallelConfig.runtime_env``, whose own ``env_vars`` win on a clash; any
+other variable a rank needs goes there.
 """
 
 from __future__ import annotations

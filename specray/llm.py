@@ -36,6 +36,21 @@ class LLM:
             params = [params] * len(prompts)
         return self._engine.generate([list(p) for p in prompts], list(params))
 
+    def health(self) -> list[dict]:
+        """One report per rank: ``rank``, ``is_alive`` and what the launcher knows besides (under
+        Ray: node_id, local_rank, Ray node, IP, pid, state, device, plan transport, all-reduce
+        paths; a rank that does not answer within ``failure_timeout_s`` is reported not alive)."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed")
+        if hasattr(self._engine, "health"):
+            return self._engine.health()
+        from specray.comm.channel import is_alive
+
+        pids = getattr(self._engine, "pids", None)  # mp: the rank processes; local: this process
+        if pids is None:
+            return [dict(rank=self.rank, is_alive=True)]
+        return [dict(rank=r, pid=pid, is_alive=is_alive(pid)) for r, pid in enumerate(pids)]
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()

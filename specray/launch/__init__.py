@@ -16,10 +16,13 @@ from specray.models.presets import resolve_model
 
 
 def resolve_launcher(config: EngineConfig) -> str:
-    """auto: external under torchrun, local for one rank, mp otherwise."""
+    """auto: ray when given a placement group, external under torchrun, local for one rank,
+    mp otherwise."""
     launcher = config.parallel.launcher
     if launcher != "auto":
         return launcher
+    if config.parallel.placement_group is not None:
+        return "ray"
     if torchrun_env_present():
         return "external"
     return "local" if config.parallel.world_size == 1 else "mp"

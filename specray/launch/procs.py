@@ -26,12 +26,14 @@ class RankFailure(RuntimeError):
 
     @classmethod
     def build(cls, what: str, dead: list[tuple[int, int, int | str | None]], errors: dict[int, str],
-              detail: str = "") -> RankFailure:
-        """``dead``: (rank, pid, exit code); ``errors``: rank -> the error it reported."""
-        parts = [f"rank {r} (pid {pid}) died ({describe_exit(code)})" for r, pid, code in dead]
+              detail: str = "", where: dict[int, str] | None = None) -> RankFailure:
+        """``dead``: (rank, pid, exit code); ``errors``: rank -> the error it reported;
+        ``where``: rank -> where it ran (its node), named next to the rank when given."""
+        at = {r: f" on {w}" for r, w in (where or {}).items()}
+        parts = [f"rank {r} (pid {pid}){at.get(r, '')} died ({describe_exit(code)})" for r, pid, code in dead]
         if not dead and errors:
             first = min(errors)
-            parts.append(f"rank {first} failed: {errors[first]}")
+            parts.append(f"rank {first}{at.get(first, '')} failed: {errors[first]}")
         if detail:
             parts.append(detail)
         blamed = [r for r, _, _ in dead] or sorted(errors)[:1]

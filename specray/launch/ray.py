@@ -1,22 +1,56 @@
-"""The ``ray`` launcher: one actor per rank, in a placement group, on a local or existing
-Ray cluster (``RAY_ADDRESS`` or an already initialised ``ray``; else a local one is started
-and shut down again by ``close``).
+"""The ``ray`` launcher: one actor per rank, placed as ``ray_placement`` describes, on the Ray
+cluster this process is connected to (else the one ``connect_ray`` finds or starts, which
+``close`` disconnects from or shuts down again).
+
+Each actor gets the driver's forwarded variables (``specray.envs.forwarded_env``: specray's
+own, NCCL_*, GLOO_*, the thread counts) under the user's ``ParallelConfig.runtime_env``.
 
 The driver talks to rank 0 only: it submits a call and waits for its outputs while watching
-every rank's loop; an actor that dies ends its loop with ``ActorDiedError``, which the
-driver turns into an error naming the rank. ``close`` stops the loops, kills the actors and
-removes the placement group; it is safe to call twice.
+every rank. The watch bounds how long a failure takes to surface (``failure_timeout_s``, F):
+
+- a rank's loop that ends (its actor died, or the rank failed) ends the wait at once;
+- every actor is pinged every F/8 from the driver (the actor answers from a spare thread),
+  and a ping unanswered for F/2 (a hung process, a lost node) fails the call;
+- the failure then waits at most F/8 for the other loops to show who died, so the error
+  names the rank that died, with its node, rather than a peer whose collective failed.
+
+Every failure tears the job down: actors killed, the placement group removed (when specray
+made it). Shared memory needs no extra step: segment names are unlinked once mapped, and the
+mappings die with the processes. ``close`` is safe to call twice.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 from specray.comm.rendezvous import Rendezvous, new_job_id
 from specray.config import EngineConfig
+from specray.envs import forwarded_env
 from specray.launch.procs import RankFailure
 from specray.launch.rank import exception_from_reply
+from specray.launch.ray_placement import RankPlacement, actor_resources, place_ranks
+
+PING_FRACTION, UNRESPONSIVE_FRACTION, SETTLE_FRACTION = 1 / 8, 1 / 2, 1 / 8  # of failure_timeout_s
+
+
+def connect_ray(address: str | None = None) -> bool:
+    """Join the cluster Ray itself would join (``address``, else RAY_ADDRESS, else the one
+    ``ray start`` ran on this node); with none, start a local instance without the dashboard.
+    Returns True when a local instance was started."""
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address  # Ray's own address rule
+
+    if canonicalize_bootstrap_address(address) is not None:
+        ray.init(address=address)
+        return False
+    ray.init(include_dashboard=False)
+    return True
+
+
+def actor_runtime_env(user_env: dict | None) -> dict:
+    """The user's runtime_env, with the forwarded variables under its own env_vars."""
+    user_env = dict(user_env or {})
+    return {**user_env, "env_vars": {**forwarded_env(), **user_env.get("env_vars", {})}}
 
 
 class RayEngine:
@@ -25,12 +59,15 @@ class RayEngine:
 
         self.config = config
         self.timeout_s = config.parallel.timeout_s
+        self.failure_timeout_s = config.parallel.failure_timeout_s
         self.world_size = config.parallel.world_size
         self.job_id = new_job_id()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(**({} if os.environ.get("RAY_ADDRESS") else dict(include_dashboard=False)))
-        self._actors, self._loops, self._pg, self._closed = [], [], None, False
+            connect_ray()
+        self._actors, self._loops, self._pg, self._owns_pg, self._closed = [], [], None, False, False
+        self.placements: list[RankPlacement] = []
+        self.pids: list[int] = []
         try:
             self._start()
         except BaseException:
@@ -39,84 +76,148 @@ class RayEngine:
 
     def _start(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from specray.launch.ray_actor import RankActor
 
         is_gpu = self.config.device.startswith("cuda")
-        bundle = {"CPU": 1, "GPU": 1} if is_gpu else {"CPU": 1}
-        self._pg = placement_group([bundle] * self.world_size, strategy="PACK", name=f"specray-{self.job_id}")
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
-        if not ready:
-            raise RuntimeError(f"Ray could not place {self.world_size} ranks of {bundle} within {self.timeout_s:.0f} s;"
-                               f" available: {ray.available_resources()}")
+        self._pg, self._owns_pg, self.placements = place_ranks(self.config.parallel, is_gpu,
+                                                               name=f"specray-{self.job_id}")
         actor_cls = ray.remote(RankActor)
-        for rank in range(self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
-            self._actors.append(actor_cls.options(num_cpus=1, num_gpus=1 if is_gpu else 0, max_concurrency=2,
-                                                  scheduling_strategy=strategy).remote(self.config, rank))
-        infos = self._get([a.node_info.remote() for a in self._actors], "start-up", 3 * self.timeout_s)
-        self.pids = [pid for _, _, pid in infos]
-        port = self._get([self._actors[0].open_store.remote()], "start-up", self.timeout_s)[0]
-        node_keys = [node for node, _, _ in infos]
-        refs = [a.setup.remote(self._rendezvous(rank, node_keys, infos[0][1], port, is_gpu))
-                for rank, a in enumerate(self._actors)]
-        self.geometry = self._get(refs, "start-up", 3 * self.timeout_s)[0]
+        self._actors = [self._spawn(actor_cls, p, is_gpu) for p in self.placements]
+        infos = self._gather([a.node_info.remote() for a in self._actors], "start-up", 3 * self.timeout_s)
+        for p, info in zip(self.placements, infos):
+            if info["ray_node_id"] != p.ray_node_id:
+                raise RuntimeError(f"rank {p.rank}'s actor runs on Ray node {info['ray_node_id'][:8]}, not on its "
+                                   f"bundle's {p.describe()}")
+        self.pids = [info["pid"] for info in infos]
+        port = self._gather([self._actors[0].open_store.remote()], "start-up", self.timeout_s)[0]
+        refs = [a.setup.remote(self._rendezvous(p, infos, port)) for p, a in zip(self.placements, self._actors)]
+        self.geometry = self._gather(refs, "start-up", 3 * self.timeout_s)[0]
         self._loops = [a.run.remote() for a in self._actors]
 
-    def _rendezvous(self, rank: int, node_keys: list[str], store_host: str, port: int, is_gpu: bool) -> Rendezvous:
-        same_node = [r for r, key in enumerate(node_keys) if key == node_keys[rank]]
-        return Rendezvous(rank=rank, world_size=self.world_size, local_rank=same_node.index(rank),
-                          local_world_size=len(same_node), node_key=node_keys[rank], store_host=store_host,
-                          store_port=port, job_id=self.job_id,
-                          device_index=0 if is_gpu else None)  # Ray shows each actor only its own GPU
+    def _spawn(self, actor_cls, p: RankPlacement, is_gpu: bool):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def _get(self, refs: list, what: str, timeout_s: float) -> list:
+        from specray.launch.ray_actor import ACTOR_THREADS
+
+        strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=p.bundle_index)
+        return actor_cls.options(
+            name=f"specray-{self.job_id}-rank{p.rank}", max_concurrency=ACTOR_THREADS, scheduling_strategy=strategy,
+            runtime_env=actor_runtime_env(self.config.parallel.runtime_env),
+            **actor_resources(self._pg.bundle_specs[p.bundle_index], is_gpu),
+        ).remote(self.config, p.rank)
+
+    def _rendezvous(self, p: RankPlacement, infos: list[dict], port: int) -> Rendezvous:
+        on_node = sum(q.node_index == p.node_index for q in self.placements)
+        return Rendezvous(rank=p.rank, world_size=self.world_size, local_rank=p.local_rank,
+                          local_world_size=on_node, node_key=p.ray_node_id, store_host=infos[0]["node_ip"],
+                          store_port=port, job_id=self.job_id, device_index=infos[p.rank]["device_index"])
+
+    def _gather(self, refs: list, what: str, timeout_s: float) -> list:
+        """Every ref's value; the first that fails (or the deadline) fails the job."""
         import ray
 
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        try:
-            return ray.get(refs, timeout=0 if len(ready) == len(refs) else 1)
-        except Exception as e:
-            raise self._failure(what, f"{type(e).__name__}: {e}") from None
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise self._failure(what, f"no answer within {timeout_s:.0f} s")
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                raise self._failure(what, errors={refs.index(ready[0]): _last_line(e)}) from None
+        return ray.get(refs)
 
     def generate(self, prompts, params):
-        import ray
-
         if self._closed:
             raise RuntimeError("this LLM is closed")
-        call = self._actors[0].submit.remote(prompts, params)
-        ready, _ = ray.wait([call] + self._loops, num_returns=1)
-        if ready[0] != call:
-            raise self._failure("generate")
-        reply = ray.get(call)
+        reply = self._watch(self._actors[0].submit.remote(prompts, params), "generate")
         if reply[0] == "ok":
             return reply[1]
         if not reply[3]:
             raise exception_from_reply(reply)
         raise self._failure("generate", f"rank 0 reported {reply[1]}: {reply[2]}")
 
-    def _failure(self, what: str, detail: str = "") -> RankFailure:
-        """Name the ranks whose actor died (or else the first that failed); stop the job."""
+    def _watch(self, call, what: str):
+        """``call``'s value, while watching every rank (see the module doc for the bound)."""
         import ray
-        from ray.exceptions import ActorDiedError
+        from ray.exceptions import RayActorError
 
-        dead, errors = [], {}
-        deadline = time.monotonic() + min(5.0, self.timeout_s)
+        pings: dict[int, tuple] = {}
+        while True:
+            ready, _ = ray.wait([call] + self._loops, num_returns=1, timeout=self.failure_timeout_s * PING_FRACTION)
+            if ready and ready[0] == call:
+                try:
+                    return ray.get(call)
+                except RayActorError:  # rank 0's actor died
+                    raise self._failure(what) from None
+            if ready:
+                raise self._failure(what)
+            now = time.monotonic()
+            for rank, actor in enumerate(self._actors):
+                if rank in pings:
+                    ref, sent_at = pings[rank]
+                    if not ray.wait([ref], timeout=0)[0]:
+                        if now - sent_at > self.failure_timeout_s * UNRESPONSIVE_FRACTION:
+                            raise self._failure(what, unresponsive={rank: now - sent_at})
+                        continue
+                    try:
+                        ray.get(ref)
+                    except RayActorError:
+                        raise self._failure(what) from None
+                pings[rank] = (actor.ping.remote(), now)
+
+    def _failure(self, what: str, detail: str = "", errors: dict[int, str] | None = None,
+                 unresponsive: dict[int, float] | None = None) -> RankFailure:
+        """Name the ranks whose actor died or hung (or else the first that failed), with their
+        nodes; stop the job."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        errors, dead = dict(errors or {}), {}
+        for rank, seconds in (unresponsive or {}).items():
+            dead[rank] = (rank, self._pid(rank), f"no answer to pings for {seconds:.0f} s")
+        settle_s = 0.0 if unresponsive else min(5.0, self.failure_timeout_s * SETTLE_FRACTION)
+        deadline = time.monotonic() + settle_s
         while self._loops and not dead and time.monotonic() < deadline:
-            ready, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0.2)
+            ready, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0.1)
             for ref in ready:
                 rank = self._loops.index(ref)
                 try:
                     ray.get(ref)
-                except ActorDiedError:
-                    dead.append((rank, self.pids[rank], "its Ray actor died"))
+                except RayActorError:
+                    dead[rank] = (rank, self._pid(rank), "its Ray actor died")
                 except Exception as e:
-                    errors[rank] = f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}"
-        failure = RankFailure.build(what, sorted(set(dead)), errors, detail)
+                    errors.setdefault(rank, _last_line(e))
+        where = {p.rank: p.describe() for p in self.placements}
+        failure = RankFailure.build(what, sorted(dead.values()), errors, detail, where=where)
         self._teardown()
         return failure
+
+    def _pid(self, rank: int) -> int | str:
+        return self.pids[rank] if rank < len(self.pids) else "?"
+
+    def health(self) -> list[dict]:
+        """One report per rank: where it runs, whether it answered within failure_timeout_s,
+        and what it says of itself (state, device, plan transport, all-reduce paths)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        reports = [dict(rank=p.rank, node_id=p.node_index, local_rank=p.local_rank, ray_node_id=p.ray_node_id,
+                        node_ip=p.node_ip, pid=self._pid(p.rank), is_alive=False) for p in self.placements]
+        if self._closed:
+            return [dict(r, state="closed") for r in reports]
+        refs = [a.health.remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_timeout_s)
+        for report, ref in zip(reports, refs):
+            if ref not in ready:
+                report["state"] = f"no answer within {self.failure_timeout_s:g} s"
+                continue
+            try:
+                report.update(ray.get(ref), is_alive=True)
+            except RayActorError as e:
+                report.update(state="dead", error=_last_line(e))
+        return reports
 
     def close(self) -> None:
         import ray
@@ -139,9 +240,15 @@ class RayEngine:
         for actor in self._actors:
             ray.kill(actor)
         self._actors, self._loops = [], []
-        if self._pg is not None:
+        if self._pg is not None and self._owns_pg:
             remove_placement_group(self._pg)
-            self._pg = None
+        self._pg = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _last_line(error: BaseException) -> str:
+    """A remote error's last line: Ray's message carries the whole remote traceback."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"

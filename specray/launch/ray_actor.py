@@ -4,7 +4,9 @@ Lifecycle (driven by ``launch/ray.py``): ``node_info`` -> rank 0's ``open_store`
 on every actor (collective) -> ``run`` on every actor, which holds the actor's loop for the
 life of the job (rank 0 serves, the others follow). Rank 0's ``submit`` runs in a second
 actor thread and hands the call to that loop through a queue, so the driver submits
-requests and collects outputs but never drives a step.
+requests and collects outputs but never drives a step. ``ping`` and ``health`` run in
+further threads (the actor's ``max_concurrency``) and only read, so they answer while the
+rank is busy: the driver's failure watch relies on that.
 """
 
 from __future__ import annotations
@@ -18,20 +20,30 @@ from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
 from specray.executor.engine import EngineCore
 from specray.launch.rank import run_follower, serve, start_rank
+from specray.launch.ray_placement import cuda_ordinal
+
+ACTOR_THREADS = 4  # run + submit + ping + health
 
 
 class RankActor:
     def __init__(self, config: EngineConfig, rank: int):
         self.config, self.rank = config, rank
         self.session = None
+        self.state = "starting"
         self._store = None
         self._requests: queue.Queue = queue.Queue()
         self._reply_box: queue.Queue | None = None
 
-    def node_info(self) -> tuple[str, str, int]:
+    def node_info(self) -> dict:
+        """Where this actor runs, and (on CUDA) the ordinal of the GPU Ray gave it."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+        device_index = None
+        if self.config.device.startswith("cuda"):
+            gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+            device_index = cuda_ordinal(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return dict(ray_node_id=ray.get_runtime_context().get_node_id(), node_ip=ray.util.get_node_ip_address(),
+                    pid=os.getpid(), device_index=device_index)
 
     def open_store(self) -> int:
         """Rank 0 hosts the rendezvous store on a port the kernel picks."""
@@ -40,12 +52,14 @@ class RankActor:
 
     def setup(self, rdzv: Rendezvous):
         self.session = start_rank(self.config, rdzv, store=self._store)
+        self.state = "ready"
         return self.session.worker.geometry
 
     def run(self) -> None:
         s = self.session
         if s.ctx.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(s.ctx.device)
+        self.state = "serving" if self.rank == 0 else "following"
         try:
             if self.rank == 0:
                 engine = EngineCore(self.config, s.worker, s.channel)
@@ -53,6 +67,10 @@ class RankActor:
                 engine.close()
             else:
                 run_follower(s)
+            self.state = "stopped"
+        except BaseException:
+            self.state = "failed"
+            raise
         finally:
             s.close()
             self.session = None
@@ -74,3 +92,25 @@ class RankActor:
 
     def stop(self) -> None:
         self._requests.put((("close",), None))
+
+    def ping(self) -> int:
+        return self.rank
+
+    def health(self) -> dict:
+        """This rank as it sees itself: state, node, device, plan transport, all-reduce paths."""
+        report = dict(rank=self.rank, state=self.state, pid=os.getpid())
+        s = self.session
+        if s is None:
+            return report
+        ctx = s.ctx
+        report.update(node_id=ctx.node_id, local_rank=ctx.local_rank, local_world_size=ctx.local_world_size,
+                      device=str(ctx.device), plan_transport=getattr(s.channel, "transport", None),
+                      allreduce={name: _allreduce_path(getattr(ctx, name)) for name in ("tp", "moe_tp", "moe_ep")})
+        return report
+
+
+def _allreduce_path(group) -> str:
+    """'one_shot' when the group has a one-shot reducer (shared memory, one node), else 'torch'."""
+    if group.size == 1:
+        return "none"
+    return "torch" if getattr(group, "reducer", None) is None else "one_shot"

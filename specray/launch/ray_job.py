@@ -1,0 +1,45 @@
+"""The ``ray job submit`` entry point: ``specray generate | bench`` on a Ray cluster.
+
+    ray job submit --address http://HEAD:8265 -- \\
+        python -m specray.launch.ray_job generate --model tiny-llama --tp 4 --prompt-ids 1,2,3
+
+It takes exactly the flags of ``specray generate`` and ``specray bench`` (the parser and the
+config builder of ``specray/cli.py``), runs the ranks under the ``ray`` launcher, and prints
+what the CLI prints. The cluster is the one Ray itself would join: RAY_ADDRESS (``ray job
+submit`` sets it for the job), else the cluster ``ray start`` ran on this node; with neither,
+a local instance is started for the run and stopped after it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from specray import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from specray.launch.ray import connect_ray
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = cli.build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed the error
+        return int(exit_.code or 0)
+    if args.launcher not in ("auto", "ray"):
+        print(f"error: ray_job runs the ranks as Ray actors; drop --launcher {args.launcher} (or pass ray)",
+              file=sys.stderr)
+        return cli.EXIT_USAGE
+    is_local = connect_ray()
+    print(f"specray ray_job: {'started a local Ray instance' if is_local else 'connected to the Ray cluster'} "
+          f"({len([n for n in ray.nodes() if n['Alive']])} nodes, {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+          f"{ray.cluster_resources().get('GPU', 0):g} GPUs)", flush=True)
+    try:
+        return cli.main([*argv, "--launcher", "ray"])  # the last --launcher wins
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
