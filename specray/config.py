@@ -68,6 +68,8 @@ class ParallelConfig:
         for name in ("moe_tp_size", "moe_ep_size"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} ({value}) must be >= 1")
+            _require(value is None or self.tp_size % value == 0,
+                     f"{name} ({value}) must divide tp_size ({self.tp_size}): moe_tp_size * moe_ep_size == tp_size")
         tp, ep = self.resolved_moe_sizes
         _require(
             tp * ep == self.tp_size,

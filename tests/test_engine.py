@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray import LLM, EngineConfig, KVConfig, SamplingParams
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.models.presets import PRESETS
 
 PROMPTS = [list(range(1, 1 + n)) for n in (5, 30, 13, 61, 2, 44)]
@@ -84,6 +84,9 @@ def test_bad_request_rejects_the_call_and_keeps_the_engine(llm, prompt, params, 
     (lambda: KVConfig(tokens_per_block=48), r"tokens_per_block \(48\) must be a power of two from 8 to 256"),
     (lambda: KVConfig(tokens_per_block=4), r"tokens_per_block \(4\) must be a power of two"),
     (lambda: KVConfig(tokens_per_block=512), r"tokens_per_block \(512\) must be a power of two"),
+    (lambda: ParallelConfig(tp_size=2, moe_tp_size=3), r"moe_tp_size \(3\) must divide tp_size \(2\)"),
+    (lambda: ParallelConfig(tp_size=4, moe_tp_size=2, moe_ep_size=1),
+     r"moe_tp_size \(2\) \* moe_ep_size \(1\) must equal tp_size \(4\)"),
 ])
 def test_bad_config_names_the_value_and_rule(build, message):
     with pytest.raises(ValueError, match=message):

@@ -22,16 +22,6 @@ PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
 METHODS = ("draft_model", "dflash", "eagle3", "mtp")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on a shared 2-core machine: torch's intra-op threads only contend
-    # (measured: 4 requests x 64 tokens take 0.2 s on one thread, 6 s on the default).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")

@@ -8,7 +8,6 @@ each call with the same tokens: ``check_every_step`` compares them after every s
 from __future__ import annotations
 
 import pytest
-import torch
 from checkpoints import make_checkpoint
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
@@ -20,15 +19,6 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30, 13)]
 PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
 KV = KVConfig(tokens_per_block=32, capacity_tokens=8192)
 METHODS = ("draft_model", "dflash", "eagle3", "mtp")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the one-rank reference runs in this process: one intra-op thread on a shared 2-core box
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams

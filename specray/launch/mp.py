@@ -23,7 +23,7 @@ from specray.comm.rendezvous import Rendezvous, host_key, host_store, new_job_id
 from specray.config import EngineConfig
 from specray.envs import forwarded_env
 from specray.executor.engine import EngineCore
-from specray.launch.procs import RankFailure, describe_exit, stop_processes
+from specray.launch.procs import RankFailure, stop_processes
 from specray.launch.rank import error_reply, exception_from_reply, run_follower, serve, start_rank
 
 log = logging.getLogger(__name__)
