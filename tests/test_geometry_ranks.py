@@ -14,19 +14,27 @@ from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams,
 from specray.kv.budget import available_memory_bytes
 
 
-def _config(tp: int, **kv) -> EngineConfig:
+def _config(tp: int, launcher: str = "mp", **kv) -> EngineConfig:
     return EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=16, cpu_max_bytes=1 << 40, **kv),
-                        parallel=ParallelConfig(tp_size=tp, launcher="mp", timeout_s=30.0))
+                        parallel=ParallelConfig(tp_size=tp, launcher=launcher, timeout_s=30.0))
+
+
+@pytest.fixture(params=["mp", "ray"])
+def launcher(request):
+    """Each agreement test runs under both launchers that start rank processes."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return request.param
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch, tp):
+def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch, tp, launcher):
     # Rank r offers (r + 1) x 0.0005 of the free memory (~10-40 MB here); every rank must
     # allocate what the smallest offer holds. A 25% band absorbs free memory moving between
     # the ranks' readings while still telling the minimum (x1) from any other offer (>= x2).
     monkeypatch.setenv("SPECRAY_KV_MEMORY_FRACTION", ";".join(f"{r}:{0.0005 * (r + 1)}" for r in range(tp)))
     expected = 0.0005 * available_memory_bytes(torch.device("cpu"))
-    with LLM(_config(tp)) as llm:
+    with LLM(_config(tp, launcher)) as llm:
         (name, geometry), = llm.geometry.items()
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
     # tiny-llama: 4 kv heads over tp ranks, 4 layers, head_dim 32, float32, 16-token pages
@@ -36,23 +44,23 @@ def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch,
     assert len(out[0].token_ids) == 4  # the agreed pools serve
 
 
-def test_fingerprint_mismatch_is_caught_before_serving(monkeypatch):
+def test_fingerprint_mismatch_is_caught_before_serving(monkeypatch, launcher):
     monkeypatch.setenv("SPECRAY_FAULT_KV_EXTRA_BLOCKS", "1:3")  # rank 1 allocates 3 blocks too many
     with pytest.raises(Exception, match=r"KV geometry mismatch: rank 1 allocated target.num_blocks = 67, "
                                         r"rank 0 allocated 64"):
-        LLM(_config(2, capacity_tokens=1024))
+        LLM(_config(2, launcher, capacity_tokens=1024))
 
 
-def _spec_config(tp: int, method: str, target_page: int) -> EngineConfig:
+def _spec_config(tp: int, method: str, target_page: int, launcher: str = "mp") -> EngineConfig:
     return EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=target_page, capacity_tokens=2048),
                         spec=SpecConfig(method=method, num_draft_tokens=3),
-                        parallel=ParallelConfig(tp_size=tp, launcher="mp", timeout_s=30.0))
+                        parallel=ParallelConfig(tp_size=tp, launcher=launcher, timeout_s=30.0))
 
 
 @pytest.mark.parametrize("tp, method", [(2, "draft_model"), (4, "dflash")])
-def test_one_rank_narrowed_to_32_moves_every_rank_to_32(monkeypatch, tp, method):
+def test_one_rank_narrowed_to_32_moves_every_rank_to_32(monkeypatch, tp, method, launcher):
     monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", f"{tp - 1}:32")  # only the last rank
-    with LLM(_spec_config(tp, method, 64)) as llm:
+    with LLM(_spec_config(tp, method, 64, launcher)) as llm:
         geometry = llm.geometry
         out = llm.generate([list(range(1, 80))], SamplingParams(max_tokens=40, ignore_eos=True))
     assert geometry["target"].tokens_per_block == 64
@@ -67,12 +75,12 @@ def test_without_narrowing_the_draft_pool_keeps_64(monkeypatch):
         assert llm.geometry["draft"].tokens_per_block == 64
 
 
-def test_ranks_sharing_no_page_size_fail_everywhere_without_hanging(monkeypatch):
+def test_ranks_sharing_no_page_size_fail_everywhere_without_hanging(monkeypatch, launcher):
     # target 128 -> the drafters need 128 or the fallback 32; rank 0 takes only 64, rank 1 only 32.
     monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", "0:64;1:32")
     start = time.monotonic()
     with pytest.raises(Exception, match=r"no draft page size works on every rank.*"
                                         r"rank 0: block_decode_attention accepts \[64\]; "
                                         r"rank 1: block_decode_attention accepts \[32\]"):
-        LLM(_spec_config(2, "dflash", 128))
+        LLM(_spec_config(2, "dflash", 128, launcher))
     assert time.monotonic() - start < 30.0  # an error, not a wait for the timeout
