@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -43,7 +44,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together")
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, default=p.tp_size, help="tensor-parallel ranks (the world size)")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel ranks, the world size (default: WORLD_SIZE under torchrun, else 1)")
     g.add_argument("--moe-tp", type=int, default=p.moe_tp_size, help="ways each expert is split")
     g.add_argument("--moe-ep", type=int, default=p.moe_ep_size, help="expert-parallel groups")
     g.add_argument("--launcher", default=p.launcher, choices=LAUNCHERS)
@@ -80,11 +82,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sampling seed of the request(s); bench also seeds its random prompts with it")
 
 
+def _torchrun_world_size() -> int:
+    """Under torchrun the job's world size is the natural tensor-parallel size."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags describe; raises ValueError naming a bad value."""
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        parallel=ParallelConfig(tp_size=args.tp, moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
+        parallel=ParallelConfig(tp_size=args.tp or _torchrun_world_size(), moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
                                 launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s,
                                 placement_strategy=args.placement_strategy,
                                 placement_timeout_s=args.placement_timeout_s,
@@ -150,10 +157,14 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = None  # ids in, ids out: no tokenizer needed
     prompt = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
     with LLM(config) as llm:
-        _print_geometry(llm)
+        is_printing = llm.rank == 0  # under torchrun every rank runs this; rank 0 speaks
+        if is_printing:
+            _print_geometry(llm)
         start = time.perf_counter()
         out = llm.generate([prompt], params)[0]
         elapsed = time.perf_counter() - start
+    if not is_printing:
+        return 0
     if tokenizer is not None:
         print(tokenizer.decode(out.token_ids))
     if args.prompt_ids is not None:
@@ -176,9 +187,13 @@ def run_bench(args: argparse.Namespace) -> int:
                                   batch_sizes=tuple(args.batch_sizes), warmup=args.warmup, seed=args.seed or 0)
     vocab_size = read_arch(resolve_model(config.model, config.seed)).vocab_size
     with LLM(config) as llm:
-        _print_geometry(llm)
-        rows = bench_lib.run_sweep(llm, bench, params, vocab_size, progress=not args.no_progress)
+        is_printing = llm.rank == 0  # under torchrun every rank runs this; rank 0 speaks
+        if is_printing:
+            _print_geometry(llm)
+        rows = bench_lib.run_sweep(llm, bench, params, vocab_size, progress=is_printing and not args.no_progress)
         geometry = llm.geometry
+    if not is_printing:
+        return 0
     print(f"{config.model}: input {bench.input_len}, output {bench.output_len} tokens, "
           f"{config.dtype} on {config.device}, tp {config.parallel.tp_size}")
     print(bench_lib.format_table(rows))

@@ -83,3 +83,22 @@ def test_torchrun_multi_node_flags(tiny_checkpoints, tmp_path):
     for got in results:
         assert {k: got[k] for k in expected} == expected
     assert [r["transport"] for r in results] == ["cpu-group", "cpu-group"]
+
+
+def test_torchrun_dash_m_specray_generate(tiny_checkpoints):
+    """`torchrun --nproc-per-node 2 -m specray generate ...` picks the external launcher by
+    itself, shards over both ranks, and only rank 0 prints."""
+    model = tiny_checkpoints("llama")
+    prompt = [5, 6, 7, 8, 9]
+    with LLM(EngineConfig(model=str(model), kv=KVConfig(capacity_tokens=512))) as llm:
+        from specray import SamplingParams
+
+        expected = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    cmd = TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "specray", "generate", "--model", str(model),
+                      "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12", "--ignore-eos",
+                      "--kv-capacity-tokens", "512"]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    id_lines = [line for line in done.stdout.splitlines() if line.startswith("output ids:")]
+    assert id_lines == ["output ids: " + ",".join(map(str, expected))]  # once: rank 0 only
+    assert done.stdout.count("target pool:") == 1
