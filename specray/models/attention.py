@@ -63,12 +63,15 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata
         k = _gather(pool[:, 0], table, length)
         v = _gather(pool[:, 1], table, length)
         qi = q[start:start + n].transpose(0, 1)  # [heads, n, dim]
-        mask = None
-        if meta.causal and n > 1:
+        mask, is_causal = None, False
+        if meta.causal and n == length:  # a whole prompt: the plain causal mask, which
+            is_causal = n > 1  # lets SDPA take its fused kernel instead of the masked path
+        elif meta.causal and n > 1:
             # query j sits at position length - n + j and sees keys up to it
             pos = torch.arange(length - n, length, device=q.device)
             mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                           enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
         start += n
     return out
