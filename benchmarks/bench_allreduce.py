@@ -1,0 +1,123 @@
+"""One-shot shared-memory all-reduce against gloo, and what ``auto`` picks, in one run.
+
+    PYTHONPATH=. python -m benchmarks.bench_allreduce [--sizes 4096,65536,...] [--worlds 2,4]
+
+For each world size, spawns that many processes (gloo over loopback, FileStore rendezvous) and
+times float32 all-reduces of each size through gloo, the one-shot path (16 MB slots) and the
+``auto`` reducer. Every call is timed on every rank; a row reports the median per-call latency
+on rank 0 and the slowest rank's mean. Prints a table and writes bench-results/allreduce.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specray.comm.allreduce import AUTO_THRESHOLD_BYTES, make_reducer
+from specray.comm.group import TorchGroup
+from specray.comm.one_shot import OneShotAllReduce
+
+SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+WORLDS = (2, 4)
+TIMEOUT_S = 120.0
+
+
+def _iterations(nbytes: int) -> int:
+    return 200 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
+
+
+def _time_calls(reduce, x0: torch.Tensor, iters: int) -> list[float]:
+    x = x0.clone()
+    for _ in range(3):  # warm-up: page faults, gloo buffers
+        x.copy_(x0)
+        reduce(x)
+    times = []
+    for _ in range(iters):
+        x.copy_(x0)  # fresh input each call: repeated in-place sums would overflow
+        t0 = time.perf_counter()
+        reduce(x)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _rank_main(rank: int, world: int, store_path: str, sizes: list[int], queue) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    group = TorchGroup(tuple(range(world)), rank, "gloo", TIMEOUT_S)
+    one_shot = OneShotAllReduce(group, max(sizes), TIMEOUT_S)
+    auto = make_reducer(group, [0] * world, "auto", TIMEOUT_S)
+    paths = {"gloo": lambda x: dist.all_reduce(x, group=group.pg), "one_shot": one_shot,
+             "auto": auto if auto is not None else (lambda x: dist.all_reduce(x, group=group.pg))}
+    rows = []
+    for nbytes in sizes:
+        x0 = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        for name, reduce in paths.items():
+            times = _time_calls(reduce, x0, _iterations(nbytes))
+            means = group.all_gather_object(sum(times) / len(times))
+            rows.append(dict(world=world, bytes=nbytes, path=name, median_us=statistics.median(times) * 1e6,
+                             slowest_rank_mean_us=max(means) * 1e6, iterations=len(times)))
+    group.barrier()
+    one_shot.close()
+    if auto is not None:
+        auto.close()
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def run_world(world: int, sizes: list[int]) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"), sizes, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        rows = queue.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"benchmark ranks exited with {[p.exitcode for p in procs]}")
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    by_key = {(r["world"], r["bytes"], r["path"]): r["median_us"] for r in rows}
+    lines = [f"{'world':>5} {'size':>8} {'gloo us':>10} {'one-shot us':>12} {'auto us':>10} "
+             f"{'gloo/one-shot':>14} {'gloo/auto':>10}"]
+    for world, nbytes in dict.fromkeys((r["world"], r["bytes"]) for r in rows):
+        g, o, a = (by_key[(world, nbytes, p)] for p in ("gloo", "one_shot", "auto"))
+        size = f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+        lines.append(f"{world:>5} {size:>8} {g:>10.1f} {o:>12.1f} {a:>10.1f} {g / o:>13.1f}x {g / a:>9.1f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="world sizes")
+    parser.add_argument("--out", default="bench-results/allreduce.json")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = [row for world in map(int, args.worlds.split(",")) for row in run_world(world, sizes)]
+    print(_table(rows))
+    print(f"auto threshold: {AUTO_THRESHOLD_BYTES} bytes; {os.cpu_count()} CPUs")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(auto_threshold_bytes=AUTO_THRESHOLD_BYTES, cpus=os.cpu_count(), rows=rows),
+                              indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
