@@ -42,6 +42,9 @@ class ParallelConfig:
     """auto | one_shot | torch: which all-reduce the row-parallel layers use."""
     timeout_s: float = 60.0
     """Every collective and every wait on another rank gives up after this many seconds."""
+    check_every_step: bool = False
+    """Debug: compare every step's sampled tokens across ranks (one extra gather per step).
+    Without it the ranks still compare a digest of all their tokens at the end of each call."""
 
     def __post_init__(self) -> None:
         _require(self.tp_size >= 1, f"tp_size ({self.tp_size}) must be >= 1")

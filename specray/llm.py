@@ -16,6 +16,12 @@ class LLM:
         self._engine = start_engine(self.config)
 
     @property
+    def rank(self) -> int:
+        """This process's rank: 0 except on the other ranks of an ``external`` (torchrun) job,
+        where every process builds an LLM and gets the same outputs from ``generate``."""
+        return getattr(self._engine, "rank", 0)
+
+    @property
     def geometry(self) -> dict[str, PoolGeometry]:
         """The agreed KV pools, as allocated on every rank."""
         return self._engine.geometry

@@ -2,15 +2,51 @@
 
 Built once per rank from the launcher's rendezvous information; layers receive the group
 they need from it (``ctx.tp``, ``ctx.moe_tp``, ``ctx.moe_ep``), never from a global.
+
+Group layout over the tp ranks (world size == tp_size; moe_tp * moe_ep == tp):
+
+| group   | ranks of this rank r                               | backend        |
+|---------|----------------------------------------------------|----------------|
+| tp      | all ranks                                          | nccl or gloo   |
+| moe_tp  | the moe_tp ranks of expert group r // moe_tp       | nccl or gloo   |
+| moe_ep  | the moe_ep ranks with the same r % moe_tp          | nccl or gloo   |
+| cpu     | all ranks (geometry agreement, token checks)       | gloo           |
+| control | rank 0 and every rank off rank 0's node (plans)    | gloo           |
+
+Every group carries ``ParallelConfig.timeout_s``: a collective that waits longer on a dead or
+stuck rank raises instead of hanging. torch.distributed keeps its default group inside the
+process, so one process holds at most one DistContext (one rank per process, as every
+launcher arranges); ``close`` tears the groups down again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from specray.comm.group import SINGLE, Group
+from specray.comm.group import SINGLE, Group, TorchGroup, partition_groups
+from specray.comm.rendezvous import Rendezvous, join_store, new_job_id
+from specray.config import ParallelConfig
+
+
+def expert_partitions(tp_size: int, moe_tp: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(moe_tp groups, moe_ep groups): tp rank r has moe_ep index r // moe_tp and moe_tp index
+    r % moe_tp, so expert group e lives on the contiguous ranks [e * moe_tp, (e + 1) * moe_tp)."""
+    moe_ep = tp_size // moe_tp
+    tp_groups = [tuple(range(e * moe_tp, (e + 1) * moe_tp)) for e in range(moe_ep)]
+    ep_groups = [tuple(range(t, tp_size, moe_tp)) for t in range(moe_tp)]
+    return tp_groups, ep_groups
+
+
+def node_ids(node_keys: list[str]) -> tuple[int, ...]:
+    """Number the hosts in order of their lowest rank, so rank 0's node is node 0."""
+    order: dict[str, int] = {}
+    for key in node_keys:
+        order.setdefault(key, len(order))
+    return tuple(order[k] for k in node_keys)
 
 
 @dataclass(slots=True)
@@ -27,7 +63,13 @@ class DistContext:
     moe_tp: Group = SINGLE
     moe_ep: Group = SINGLE
     cpu: Group = SINGLE
-    """Control messages (step plans across nodes, geometry agreement): always gloo."""
+    """Control messages (geometry agreement, token checks): always gloo."""
+    control: Group = SINGLE
+    """Rank 0 and the ranks on other nodes: step plans that shared memory cannot carry."""
+    node_of_rank: tuple[int, ...] = (0,)
+    job_id: str = ""
+    """Random per job: names of shared-memory segments derive from it."""
+    owns_process_group: bool = False
 
     @property
     def is_coordinator(self) -> bool:
@@ -36,8 +78,54 @@ class DistContext:
     @classmethod
     def single(cls, device: str = "cpu") -> DistContext:
         dev = torch.device(device)
-        return cls(device=dev, backend="nccl" if dev.type == "cuda" else "gloo")
+        return cls(device=dev, backend="nccl" if dev.type == "cuda" else "gloo", job_id=new_job_id())
+
+    @classmethod
+    def create(cls, rdzv: Rendezvous, parallel: ParallelConfig, device: str,
+               store: dist.Store | None = None) -> DistContext:
+        """Join the job's process groups (collective over every rank of the job)."""
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a torch.distributed group: one rank per process")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", rdzv.local_rank if rdzv.device_index is None else rdzv.device_index)
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout_s = parallel.timeout_s
+        if store is None and rdzv.store_port is not None:
+            store = join_store(rdzv.store_host, rdzv.store_port, timeout_s)
+        init = dict(store=store) if store is not None else dict(init_method="env://")
+        dist.init_process_group(backend, rank=rdzv.rank, world_size=rdzv.world_size,
+                                timeout=timedelta(seconds=timeout_s), **init)
+        ranks = tuple(range(rdzv.world_size))
+        ctx = cls(rank=rdzv.rank, world_size=rdzv.world_size, local_rank=rdzv.local_rank,
+                  local_world_size=rdzv.local_world_size, device=dev, backend=backend, timeout_s=timeout_s,
+                  owns_process_group=True)
+        ctx.cpu = TorchGroup(ranks, rdzv.rank, "gloo", timeout_s)
+        ctx.tp = TorchGroup(ranks, rdzv.rank, backend, timeout_s, pg=dist.group.WORLD)
+        ctx._make_expert_groups(parallel.resolved_moe_sizes[0])
+        ctx.node_of_rank = node_ids(ctx.cpu.all_gather_object(rdzv.node_key))
+        ctx.node_id = ctx.node_of_rank[rdzv.rank]
+        ctx.job_id = ctx.cpu.broadcast_object(rdzv.job_id or new_job_id())
+        remote = tuple(r for r in ranks if ctx.node_of_rank[r] != ctx.node_of_rank[0])
+        ctx.control = partition_groups([(0, *remote)] + [(r,) for r in ranks if r and r not in remote],
+                                       rdzv.rank, "gloo", timeout_s)
+        return ctx
+
+    def _make_expert_groups(self, moe_tp: int) -> None:
+        tp_parts, ep_parts = expert_partitions(self.world_size, moe_tp)
+        everyone = [tuple(range(self.world_size))]
+        self.moe_tp = self.tp if tp_parts == everyone else partition_groups(
+            tp_parts, self.rank, self.backend, self.timeout_s)
+        self.moe_ep = self.tp if ep_parts == everyone else partition_groups(
+            ep_parts, self.rank, self.backend, self.timeout_s)
+
+    def local_ranks_of(self, node: int) -> tuple[int, ...]:
+        return tuple(r for r, n in enumerate(self.node_of_rank) if n == node)
 
     def close(self) -> None:
-        for group in {id(g): g for g in (self.tp, self.moe_tp, self.moe_ep, self.cpu)}.values():
+        for group in {id(g): g for g in (self.tp, self.moe_tp, self.moe_ep, self.cpu, self.control)}.values():
             group.close()
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False

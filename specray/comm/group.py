@@ -52,11 +52,13 @@ class TorchGroup(Group):
     ``reducer``: any callable that sums a tensor over exactly these ranks.
     """
 
-    def __init__(self, ranks: tuple[int, ...], my_rank: int, backend: str, timeout_s: float):
+    def __init__(self, ranks: tuple[int, ...], my_rank: int, backend: str, timeout_s: float, pg=None):
         self.ranks = tuple(ranks)
         self.rank_in_group = self.ranks.index(my_rank)
         self.backend = backend
-        self.pg = dist.new_group(list(self.ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
+        self.pg = pg if pg is not None else dist.new_group(list(self.ranks), backend=backend,
+                                                           timeout=timedelta(seconds=timeout_s))
         self.reducer = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,3 +88,26 @@ class TorchGroup(Group):
 
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
+
+    def close(self) -> None:
+        self.reducer = None
+
+
+def partition_groups(partition: list[tuple[int, ...]], my_rank: int, backend: str, timeout_s: float) -> Group:
+    """This rank's group out of ``partition`` (disjoint rank tuples covering every rank).
+
+    Collective: every rank must call it with the same partition, because torch.distributed
+    creates each process group on every rank in the same order. Groups of one are not
+    created at all (every rank skips the same ones), and return the identity ``Group``."""
+    mine: Group | None = None
+    for ranks in partition:
+        if len(ranks) == 1:
+            if my_rank in ranks:
+                mine = SINGLE
+            continue
+        pg = dist.new_group(list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        if my_rank in ranks:
+            mine = TorchGroup(ranks, my_rank, backend, timeout_s, pg=pg)
+    if mine is None:
+        raise ValueError(f"rank {my_rank} is in no group of the partition {partition}")
+    return mine

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
-from specray.executor.plan import StepPlan
+from specray.executor.plan import CallEnd, StepPlan
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.kv.allocator import BlockAllocator
 from specray.workers.worker import RankWorker
@@ -54,10 +54,12 @@ def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vo
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, worker: RankWorker, channel=None):
+    def __init__(self, config: EngineConfig, worker: RankWorker, channel=None, sends_outputs: bool = False):
         self.config = config
         self.worker = worker
         self.channel = channel  # sends plans to the followers; None on a single rank
+        self.sends_outputs = sends_outputs  # followers return the outputs too (external launcher)
+        self.is_broken = False  # a step failed midway: the ranks may disagree, serve no more
         self.geometry = worker.geometry  # agreed by every rank before the engine starts
         self.allocator = BlockAllocator(self.geometry["target"].num_blocks)
         self._seq_ids = 0
@@ -73,8 +75,25 @@ class EngineCore:
         return self.worker.execute(plan)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        if self.is_broken:
+            raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         prompts = [list(map(int, p)) for p in prompts]
-        validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, 0)
+        try:
+            validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, 0)
+        except ValueError as e:
+            if self.sends_outputs:
+                self.channel.send(CallEnd(error=str(e)))
+            raise
+        try:
+            outputs = self._generate(prompts, params)
+        except BaseException:
+            self.is_broken = True
+            raise
+        if self.sends_outputs:
+            self.channel.send(CallEnd(outputs=outputs))
+        return outputs
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         kv = self.config.kv
         scheduler = Scheduler(self.allocator, kv.tokens_per_block, self.config.max_num_seqs,
                               self.config.max_num_batched_tokens)
@@ -88,8 +107,11 @@ class EngineCore:
         while scheduler.has_work:
             plan = scheduler.schedule()
             scheduler.finish_step(self._step(plan))
-        # Let the ranks forget the last finished sequences now rather than at the next call.
-        self._step(scheduler.schedule())
+        # Let the ranks forget the last finished sequences now rather than at the next call,
+        # and compare their tokens (the call-end plan).
+        end = scheduler.schedule()
+        end.is_call_end = True
+        self._step(end)
         return [self._output(i, s) for i, s in enumerate(seqs)]
 
     @staticmethod
@@ -103,5 +125,5 @@ class EngineCore:
         return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, reason, metrics)
 
     def close(self) -> None:
-        if self.channel is not None:
+        if self.channel is not None and not self.is_broken:
             self.channel.send(StepPlan(is_shutdown=True))

@@ -17,7 +17,17 @@ class StepPlan:
     preempted: list[int] = field(default_factory=list)  # block tables to reset
     finished: list[int] = field(default_factory=list)  # sequences to forget
     is_shutdown: bool = False
+    is_call_end: bool = False  # the last plan of a generate call: every rank then compares its tokens
 
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.input_ids)
+
+
+@dataclass(slots=True)
+class CallEnd:
+    """Sent after a call's last plan when followers return the call's outputs too (the
+    external launcher runs the same script on every rank): rank 0's outputs, or its error."""
+
+    outputs: list | None = None
+    error: str | None = None

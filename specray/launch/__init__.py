@@ -1,18 +1,26 @@
-"""Launchers: who starts the ranks (local, mp, ray, external)."""
+"""Launchers: who starts the ranks (local, mp, ray, external).
+
+``start_engine`` returns an engine handle with ``generate``, ``geometry`` and ``close``.
+The mapping (does the model split over these ranks?) is validated here, on the driver,
+before any process or process group starts.
+"""
 
 from __future__ import annotations
 
 from specray.comm.context import DistContext
+from specray.comm.rendezvous import torchrun_env_present
 from specray.config import EngineConfig
+from specray.launch.mapping import validate_mapping
+from specray.models.arch import read_arch
+from specray.models.presets import resolve_model
 
 
 def resolve_launcher(config: EngineConfig) -> str:
-    import os
-
+    """auto: external under torchrun, local for one rank, mp otherwise."""
     launcher = config.parallel.launcher
     if launcher != "auto":
         return launcher
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if torchrun_env_present():
         return "external"
     return "local" if config.parallel.world_size == 1 else "mp"
 
@@ -20,6 +28,12 @@ def resolve_launcher(config: EngineConfig) -> str:
 def start_engine(config: EngineConfig):
     """Start the ranks and return an engine handle with generate / geometry / close."""
     launcher = resolve_launcher(config)
+    arch = read_arch(resolve_model(config.model, config.seed))
+    if launcher == "external":
+        from specray.launch.external import start_external
+
+        return start_external(config, arch)
+    validate_mapping(arch, config.parallel)
     if launcher == "local":
         from specray.executor.engine import EngineCore
         from specray.workers.worker import RankWorker
@@ -29,4 +43,12 @@ def start_engine(config: EngineConfig):
         worker = RankWorker(config, DistContext.single(config.device))
         worker.init_pools()
         return EngineCore(config, worker)
-    raise ValueError(f"launcher {launcher!r} is not available yet")
+    if launcher == "mp":
+        from specray.launch.mp import MPEngine
+
+        return MPEngine(config)
+    if launcher == "ray":
+        from specray.launch.ray import RayEngine
+
+        return RayEngine(config)
+    raise ValueError(f"launcher {launcher!r} is not available")

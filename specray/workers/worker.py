@@ -21,6 +21,7 @@ from specray.models.attention import AttentionMetadata
 from specray.models.decoder import CausalLM
 from specray.models.loader import CheckpointReader
 from specray.models.presets import resolve_model
+from specray.workers.token_check import check_same_on_every_rank, fold
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class RankWorker:
         self.geometry: dict[str, PoolGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.num_steps = 0
+        self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
 
     @property
     def arch(self) -> ModelArch:
@@ -89,9 +92,24 @@ class RankWorker:
                                  context_lens=context_lens, query_lens=query_lens)
         return ids, positions, meta
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
-        """Run one step; returns the sampled token of every scheduled sequence."""
+        """Run one step; returns the sampled token of every scheduled sequence.
+
+        Every rank runs this on the same plan and must sample the same tokens: checked per
+        step in ``check_every_step`` mode, and by a digest at the end of each call."""
+        tokens = self._forward_and_sample(plan)
+        if tokens:
+            self.num_steps += 1
+            self.token_digest = fold(self.token_digest, tokens)
+            if self.config.parallel.check_every_step:
+                check_same_on_every_rank(self.ctx.cpu, (plan.seq_ids, tokens), f"step {self.num_steps} tokens")
+        if plan.is_call_end:
+            check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest),
+                                     "(steps, token digest) at the end of the generate call")
+        return tokens
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, plan: StepPlan) -> list[int]:
         self._apply_deltas(plan)
         if not plan.seq_ids:
             return []

@@ -1,0 +1,98 @@
+"""What every rank process runs, whoever launched it: join the groups, load the shards,
+agree the pools, open the control channel; then rank 0 serves calls and the others follow.
+
+The serving loop (rank 0 under mp and Ray) takes requests from the driver, one call at a
+time, and sends a heartbeat down the channel whenever it has waited ``timeout_s / 4`` for
+one, so followers waiting for a plan can tell an idle rank 0 from a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specray.comm.channel import PlanReceiver, PlanSender, open_channel
+from specray.comm.context import DistContext
+from specray.comm.rendezvous import Rendezvous
+from specray.config import EngineConfig
+from specray.executor.engine import EngineCore
+from specray.launch.logs import configure_rank_logging
+from specray.workers.follower import follow
+from specray.workers.worker import RankWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RankSession:
+    ctx: DistContext
+    worker: RankWorker
+    channel: PlanSender | PlanReceiver | None
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.ctx.close()
+
+
+def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None) -> RankSession:
+    """Collective over every rank of the job."""
+    configure_rank_logging(rdzv.rank)
+    if config.device == "cpu":
+        share_cpu_threads(rdzv.local_world_size)
+    ctx = DistContext.create(rdzv, config.parallel, config.device, store)
+    try:
+        worker = RankWorker(config, ctx)
+        worker.init_pools()
+        channel = open_channel(ctx)
+    except BaseException:
+        ctx.close()
+        raise
+    log.info("rank %d/%d on node %d ready (job %s)", ctx.rank, ctx.world_size, ctx.node_id, ctx.job_id)
+    return RankSession(ctx, worker, channel)
+
+
+def share_cpu_threads(num_local_ranks: int) -> None:
+    """CPU ranks on one host split its cores: oversubscribed intra-op threads make every
+    rank wait on the slowest at each collective."""
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // num_local_ranks))
+
+
+def error_reply(exc: BaseException, is_fatal: bool) -> tuple:
+    """An error as plain data: exception objects from torch may not unpickle elsewhere."""
+    return ("error", type(exc).__name__, str(exc), is_fatal)
+
+
+def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], reply: Callable[[tuple], None],
+          heartbeat_s: float) -> None:
+    """Rank 0's loop: ("generate", prompts, params) -> ("ok", outputs) or an error reply;
+    ("close",) or a fatal error ends it. ``next_request(t)`` returns None after t idle seconds."""
+    while True:
+        request = next_request(heartbeat_s)
+        if request is None:
+            engine.channel.heartbeat()
+            continue
+        if request[0] == "close":
+            return
+        try:
+            reply(("ok", engine.generate(*request[1:])))
+        except Exception as e:
+            reply(error_reply(e, engine.is_broken))
+            if engine.is_broken:
+                raise
+
+
+def run_follower(session: RankSession) -> None:
+    follow(session.worker, session.channel, session.ctx.timeout_s)
+
+
+def exception_from_reply(reply: tuple, rank: int = 0) -> Exception:
+    _, kind, message, _ = reply
+    if kind == "ValueError":
+        return ValueError(message)
+    return RuntimeError(f"rank {rank} failed: {kind}: {message}")

@@ -1,0 +1,33 @@
+"""Every rank must end every step with the same tokens: checked, not assumed.
+
+Each rank folds its sampled tokens into a running digest (crc32, no communication). At the
+end of each generate call the ranks all-gather (steps, digest) over the CPU group and any rank
+that differs from rank 0 is named in the error. With ``ParallelConfig.check_every_step`` the
+tokens themselves are compared after every step, which names the first step that diverged.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+
+from specray.comm.group import Group
+
+
+def fold(digest: int, tokens: list[int]) -> int:
+    return zlib.crc32(array("q", [len(tokens), *tokens]).tobytes(), digest)  # the count marks step boundaries
+
+
+class TokenDivergence(RuntimeError):
+    """Ranks sampled different tokens: the shards or collectives disagree."""
+
+
+def check_same_on_every_rank(group: Group, value: object, what: str) -> None:
+    """Collective: raise on every rank when any rank's ``value`` differs from rank 0's."""
+    if group.size == 1:
+        return
+    values = group.all_gather_object(value)
+    bad = [group.ranks[i] for i, v in enumerate(values) if v != values[0]]
+    if bad:
+        shown = ", ".join(f"rank {r}: {values[group.ranks.index(r)]!r}" for r in bad[:4])
+        raise TokenDivergence(f"{what}: rank(s) {bad} differ from rank 0 ({values[0]!r}); {shown}")

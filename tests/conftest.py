@@ -1,0 +1,51 @@
+"""Shared fixtures: one Ray instance for the whole session, tiny checkpoints, and a guard
+that no rank process or shared-memory segment outlives the test that made it."""
+
+from __future__ import annotations
+
+import os
+
+# Ray's settings for this project's tests: no usage stats, no auth, no dashboard.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+
+from checkpoints import make_checkpoint  # noqa: E402  (tests/ is on sys.path: no __init__.py)
+
+RAY_LOGICAL_CPUS = 8  # logical: lets a TP=4 placement group fit on a 2-core machine
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance shared by every test that needs one (started once, 200 MB store)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, object_store_memory=200 * 2**20,
+             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> a tiny Hugging Face checkpoint directory (built once per session, offline)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = make_checkpoint(family, root / family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _specray_cache(tmp_path_factory):
+    """Presets are written under a per-session cache unless SPECRAY_CACHE is set."""
+    if "SPECRAY_CACHE" not in os.environ:
+        os.environ["SPECRAY_CACHE"] = str(tmp_path_factory.mktemp("specray-cache"))
