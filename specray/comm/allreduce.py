@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ import torch.distributed as dist
 from specray.comm.group import TorchGroup
 from specray.comm.one_shot import OneShotAllReduce, OneShotUnavailable, is_supported_platform
 from specray.config import ALLREDUCE_MODES
+
+if TYPE_CHECKING:
+    from specray.comm.context import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +65,30 @@ class SelectedAllReduce:
         self.one_shot.close()
 
 
+def attach_reducers(ctx: DistContext, mode: str) -> None:
+    """Set ``reducer`` on each of ctx's tensor groups (tp, moe_tp, moe_ep; each group once).
+
+    Collective: every rank calls it once its groups and ``node_of_rank`` exist. Every rank
+    visits the groups in the same order and each make_reducer talks only inside its group,
+    so the disjoint moe_tp (or moe_ep) groups set up side by side without waiting on each
+    other. Closing a group drops its reducer, which unmaps the segment."""
+    seen: set[int] = set()
+    for group in (ctx.tp, ctx.moe_tp, ctx.moe_ep):
+        if isinstance(group, TorchGroup) and id(group) not in seen:
+            seen.add(id(group))
+            group.reducer = make_reducer(group, [ctx.node_of_rank[r] for r in group.ranks], mode, ctx.timeout_s,
+                                         job_id=ctx.job_id)
+
+
 def make_reducer(group: TorchGroup, node_ids: Sequence[int], mode: str, timeout_s: float, *,
-                 threshold_bytes: int | None = None, slot_bytes: int | None = None) -> SelectedAllReduce | None:
+                 threshold_bytes: int | None = None, slot_bytes: int | None = None,
+                 job_id: str = "") -> SelectedAllReduce | None:
     """The reducer for ``group.reducer``, or None where torch.distributed does everything.
 
     Collective over the group when it returns a reducer: every member calls it with the same
     ``node_ids`` (the node of each rank in ``group.ranks`` order) and mode, in the same order
     as its other collectives. ``threshold_bytes`` / ``slot_bytes`` override the defaults
-    (tests, benchmarks).
+    (tests, benchmarks); ``job_id`` goes into the segment's name (``specray-<job>-ar-...``).
     """
     if mode not in ALLREDUCE_MODES:
         raise ValueError(f"allreduce {mode!r} must be one of {ALLREDUCE_MODES}")
@@ -87,7 +107,7 @@ def make_reducer(group: TorchGroup, node_ids: Sequence[int], mode: str, timeout_
     if mode == "one_shot":
         limit = slot_bytes
     try:
-        one_shot = OneShotAllReduce(group, slot_bytes, timeout_s)
+        one_shot = OneShotAllReduce(group, slot_bytes, timeout_s, job_id=job_id)
     except OneShotUnavailable as e:
         if mode == "one_shot":
             raise

@@ -22,7 +22,7 @@ store order makes the slot visible to the other cores before the flag (loads are
 with loads either). Other architectures need fences that Python cannot issue, so
 ``is_supported_platform()`` is false there and selection falls back to torch.distributed.
 
-Lifetime and safety: rank 0 of the group creates ``/dev/shm/specray-ar-<pid>-<random token>``
+Lifetime and safety: rank 0 of the group creates ``/dev/shm/specray-[<job id>-]ar-<pid>-<token>``
 with O_CREAT | O_EXCL and mode 0600 (the job's user only; a fresh random name per job and group,
 never a fixed one), reserves its pages (``posix_fallocate``: a full /dev/shm fails here, not as
 a SIGBUS later), every rank opens and maps it, the ranks agree that all of them mapped it, and
@@ -83,7 +83,7 @@ class OneShotAllReduce:
     order as its other collectives). ``close`` unmaps; it is safe to call more than once.
     """
 
-    def __init__(self, group: TorchGroup, slot_bytes: int, timeout_s: float):
+    def __init__(self, group: TorchGroup, slot_bytes: int, timeout_s: float, job_id: str = ""):
         if not 2 <= group.size <= MAX_GROUP_SIZE:
             raise ValueError(f"one-shot all-reduce needs a group of 2 to {MAX_GROUP_SIZE} ranks, got {group.size}")
         if slot_bytes < 1:
@@ -98,7 +98,8 @@ class OneShotAllReduce:
         self.path, self._map = "", None
         self._failure: str | None = None
         size = HEADER_BYTES + 2 * group.size * self.slot_bytes
-        self.path, self._map = _map_shared_segment(group, size)
+        prefix = f"specray-{job_id}-ar-" if job_id else NAME_PREFIX
+        self.path, self._map = _map_shared_segment(group, size, prefix)
         self._flags = memoryview(self._map).cast("B")[:HEADER_BYTES].cast("q")
         self._flag_index = [r * FLAG_STRIDE_BYTES // 8 for r in range(group.size)]
         self._spin_checks = SPIN_CHECKS if group.size <= len(os.sched_getaffinity(0)) else 0
@@ -196,7 +197,7 @@ class OneShotAllReduce:
             pass
 
 
-def _map_shared_segment(group: TorchGroup, size: int) -> tuple[str, mmap.mmap]:
+def _map_shared_segment(group: TorchGroup, size: int, prefix: str) -> tuple[str, mmap.mmap]:
     """Create (group rank 0), open and map one segment on every rank, then unlink its name.
 
     Every rank reports success or its error through the group, so all ranks return together
@@ -204,7 +205,7 @@ def _map_shared_segment(group: TorchGroup, size: int) -> tuple[str, mmap.mmap]:
     """
     path, error = "", None
     if group.rank_in_group == 0:
-        path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(12)}")
+        path = os.path.join(SHM_DIR, f"{prefix}{os.getpid()}-{secrets.token_hex(12)}")
         try:
             _create(path, size)
         except OSError as e:
