@@ -1,11 +1,16 @@
-"""One-shot shared-memory all-reduce against gloo, and what ``auto`` picks, in one run.
+"""One-shot shared-memory all-reduce against gloo, and what it does to TP decoding, in one run.
 
     PYTHONPATH=. python -m benchmarks.bench_allreduce [--sizes 4096,65536,...] [--worlds 2,4]
+                                                      [--decode-tokens 64] [--skip-decode]
 
-For each world size, spawns that many processes (gloo over loopback, FileStore rendezvous) and
-times float32 all-reduces of each size through gloo, the one-shot path (16 MB slots) and the
-``auto`` reducer. Every call is timed on every rank; a row reports the median per-call latency
-on rank 0 and the slowest rank's mean. Prints a table and writes bench-results/allreduce.json.
+1. Collectives: for each world size, spawns that many processes (gloo over loopback, FileStore
+   rendezvous) and times float32 all-reduces of each size through gloo, the one-shot path
+   (16 MB slots) and the ``auto`` reducer. Every call is timed on every rank; a row reports
+   the median per-call latency on rank 0 and the slowest rank's mean.
+2. Decoding: ``mid-llama`` batch-1 greedy decoding at TP=1 (local), TP=2 with
+   ``allreduce="torch"`` and TP=2 with ``allreduce="one_shot"`` (mp launcher); median TPOT.
+
+Prints tables and writes bench-results/allreduce.json.
 """
 
 from __future__ import annotations
@@ -91,6 +96,48 @@ def run_world(world: int, sizes: list[int]) -> list[dict]:
     return rows
 
 
+DECODE_RUNS = (("TP=1", 1, "torch", None), ("TP=1 1 thread", 1, "torch", 1), ("TP=2 torch", 2, "torch", None),
+               ("TP=2 one_shot", 2, "one_shot", None))
+"""(label, tp, allreduce, intra-op threads of the TP=1 process; None: torch's default, all cores).
+TP=2 ranks take one core each (the mp launcher splits the cores). TP=1 runs twice because on a
+loaded two-core machine two OpenMP threads can be far slower than one (they spin on each other)."""
+
+
+def run_decode(num_tokens: int, repeats: int = 3) -> list[dict]:
+    """mid-llama batch-1 greedy decoding: median TPOT over `repeats` generations per setup."""
+    from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
+
+    prompt = [[1, 450, 4996, 17354, 1701, 432, 17204, 975]]
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    rows = []
+    default_threads = torch.get_num_threads()
+    for label, tp, mode, threads in DECODE_RUNS:
+        config = EngineConfig(model="mid-llama", kv=KVConfig(capacity_tokens=2048), parallel=ParallelConfig(
+            tp_size=tp, launcher="local" if tp == 1 else "mp", allreduce=mode))
+        torch.set_num_threads(threads or default_threads)
+        with LLM(config) as llm:
+            llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+            outs = [llm.generate(prompt, params)[0] for _ in range(repeats)]
+        torch.set_num_threads(default_threads)
+        tpot = statistics.median(o.metrics["tpot_s"] for o in outs)
+        rows.append(dict(setup=label, tp=tp, allreduce=mode, tpot_ms=tpot * 1e3, tok_per_s=1.0 / tpot,
+                         tokens=outs[0].token_ids))
+    base = rows[0]
+    for row in rows:
+        row["speedup_vs_tp1"] = row["tok_per_s"] / base["tok_per_s"]
+        row["same_tokens_as_tp1"] = row["tokens"] == base["tokens"]
+    for row in rows:
+        del row["tokens"]
+    return rows
+
+
+def _decode_table(rows: list[dict]) -> str:
+    lines = [f"{'mid-llama batch 1':<18} {'TPOT ms':>9} {'tok/s':>8} {'vs TP=1':>8} {'tokens = TP=1':>14}"]
+    lines += [f"{r['setup']:<18} {r['tpot_ms']:>9.2f} {r['tok_per_s']:>8.1f} {r['speedup_vs_tp1']:>7.2f}x "
+              f"{str(r['same_tokens_as_tp1']):>14}" for r in rows]
+    return "\n".join(lines)
+
+
 def _table(rows: list[dict]) -> str:
     by_key = {(r["world"], r["bytes"], r["path"]): r["median_us"] for r in rows}
     lines = [f"{'world':>5} {'size':>8} {'gloo us':>10} {'one-shot us':>12} {'auto us':>10} "
@@ -106,16 +153,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="world sizes")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decoding run")
+    parser.add_argument("--skip-decode", action="store_true", help="only the collectives table")
     parser.add_argument("--out", default="bench-results/allreduce.json")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = [row for world in map(int, args.worlds.split(",")) for row in run_world(world, sizes)]
     print(_table(rows))
-    print(f"auto threshold: {AUTO_THRESHOLD_BYTES} bytes; {os.cpu_count()} CPUs")
+    print(f"auto threshold: {AUTO_THRESHOLD_BYTES} bytes; {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    decode = [] if args.skip_decode else run_decode(args.decode_tokens)
+    if decode:
+        print(_decode_table(decode))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(auto_threshold_bytes=AUTO_THRESHOLD_BYTES, cpus=os.cpu_count(), rows=rows),
-                              indent=1))
+    out.write_text(json.dumps(dict(auto_threshold_bytes=AUTO_THRESHOLD_BYTES, cpus=os.cpu_count(),
+                                   load_average=os.getloadavg(), allreduce=rows, decode=decode), indent=1))
     print(f"wrote {out}")
 
 

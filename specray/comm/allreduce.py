@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AUTO_THRESHOLD_BYTES = 1 << 20
-"""Largest message ``auto`` sends one-shot. benchmarks/bench_allreduce.py measured one-shot
-faster than gloo at every size from 4 KB to 16 MB (world 2 and 4 on two cores), so the limit
-is set by memory, not speed: 2 halves x group size x 1 MB of /dev/shm per group covers decode
-messages (batch x hidden x 4 bytes: 256 x 1024 floats) while prefill-sized ones go to gloo."""
+AUTO_THRESHOLD_BYTES = 512 << 10
+"""Largest message ``auto`` sends one-shot. On the two-core CI machine, benchmarks/bench_allreduce.py
+measured one-shot 10-50x faster than gloo at 4-64 KB, still 1.3-10x at 128-512 KB, and at 1 MB
+anywhere from 0.9x to 2.9x across runs (each rank adds every slot, so its work grows with the
+group while gloo's does not): 512 KB is the largest size that never lost. It covers decode
+messages (tokens x hidden x 4 bytes: 128 tokens of a 1024-wide model) and costs 2 halves x
+group size x 512 KB of /dev/shm per group; prefill-sized messages go to gloo."""
 ONE_SHOT_SLOT_BYTES = 16 << 20
 """Slot size when one_shot is forced: messages up to 16 MB (2 x group size x 16 MB of /dev/shm)."""
 
