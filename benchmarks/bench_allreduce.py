@@ -5,8 +5,9 @@
 
 1. Collectives: for each world size, spawns that many processes (gloo over loopback, FileStore
    rendezvous) and times float32 all-reduces of each size through gloo, the one-shot path
-   (16 MB slots) and the ``auto`` reducer. Every call is timed on every rank; a row reports
-   the median per-call latency on rank 0 and the slowest rank's mean.
+   (16 MB slots) and the ``auto`` reducer, the three taking turns call by call. Every call is
+   timed on every rank; a row reports the median per-call latency on rank 0 and the slowest
+   rank's mean.
 2. Decoding: ``mid-llama`` batch-1 greedy decoding at TP=1 (local), TP=2 with
    ``allreduce="torch"`` and TP=2 with ``allreduce="one_shot"`` (mp launcher); median TPOT.
 
@@ -37,20 +38,23 @@ TIMEOUT_S = 120.0
 
 
 def _iterations(nbytes: int) -> int:
-    return 200 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
+    return 100 if nbytes <= 64 << 10 else 40 if nbytes <= 1 << 20 else 12
 
 
-def _time_calls(reduce, x0: torch.Tensor, iters: int) -> list[float]:
+def _time_interleaved(paths: dict, x0: torch.Tensor, iters: int, group: TorchGroup) -> dict[str, list[float]]:
+    """Per-call times of every path, taking turns call by call: on a shared machine whose load
+    changes from second to second, every path then sees the same conditions. An untimed barrier
+    before each call lines the ranks up, so no call pays for the skew the previous one left."""
     x = x0.clone()
-    for _ in range(3):  # warm-up: page faults, gloo buffers
-        x.copy_(x0)
-        reduce(x)
-    times = []
-    for _ in range(iters):
-        x.copy_(x0)  # fresh input each call: repeated in-place sums would overflow
-        t0 = time.perf_counter()
-        reduce(x)
-        times.append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i in range(iters + 3):  # the first 3 rounds warm up: page faults, gloo buffers
+        for name, reduce in paths.items():
+            x.copy_(x0)  # fresh input each call: repeated in-place sums would overflow
+            group.barrier()
+            t0 = time.perf_counter()
+            reduce(x)
+            if i >= 3:
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -66,8 +70,7 @@ def _rank_main(rank: int, world: int, store_path: str, sizes: list[int], queue) 
     rows = []
     for nbytes in sizes:
         x0 = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
-        for name, reduce in paths.items():
-            times = _time_calls(reduce, x0, _iterations(nbytes))
+        for name, times in _time_interleaved(paths, x0, _iterations(nbytes), group).items():
             means = group.all_gather_object(sum(times) / len(times))
             rows.append(dict(world=world, bytes=nbytes, path=name, median_us=statistics.median(times) * 1e6,
                              slowest_rank_mean_us=max(means) * 1e6, iterations=len(times)))

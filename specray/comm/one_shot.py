@@ -6,7 +6,7 @@ same order, as with any collective):
 1. copy the input into this rank's slot of buffer half ``n % 2`` (a strided input is copied
    as it is: this copy is the "make it contiguous" step);
 2. publish ``flag[rank] = n``;
-3. wait until every flag is >= n: spin briefly, then yield the core, then sleep; after
+3. wait until every flag is >= n: yield the core while polling, then sleep; after
    ``timeout_s`` raise ``TimeoutError`` naming the ranks whose flag is behind;
 4. sum the slots in rank order into the input tensor, ``((s0 + s1) + s2) + ...`` in the input's
    dtype. Every rank runs the same additions on the same bytes, so every rank holds bitwise the
@@ -56,12 +56,11 @@ FLAG_STRIDE_BYTES = 64
 MAX_GROUP_SIZE = 64
 HEADER_BYTES = FLAG_STRIDE_BYTES * MAX_GROUP_SIZE
 PAGE_BYTES = 4096
-SPIN_CHECKS = 200
-"""Flag checks (~0.3 us each) before yielding, when every rank of the group can have its own
-core: a peer running on another core usually arrives within that. With more ranks than cores
-spinning only delays the rank being waited for, so the wait goes straight to yielding."""
-YIELD_SECONDS = 5e-5
-"""Then yield the core (sched_yield) for this long, then sleep, doubling from MIN to MAX."""
+YIELD_SECONDS = 1e-3
+"""A waiting rank first yields its core (sched_yield) for this long, then sleeps, doubling from
+MIN to MAX. sched_yield returns at once on an idle core, so this polls as fast as a spin does
+(world 2, 4 KB: ~13 us either way), but on a loaded machine it hands the core to the rank being
+waited for, where a spin of even 200 checks made the median call 20x slower (60-380 us)."""
 MIN_SLEEP_SECONDS, MAX_SLEEP_SECONDS = 1e-5, 2e-4
 """Capped low: the ranks of a step do the same work, so a long wait is rare and is not idle time."""
 MAX_CACHED_SHAPES = 256
@@ -102,7 +101,6 @@ class OneShotAllReduce:
         self.path, self._map = _map_shared_segment(group, size, prefix)
         self._flags = memoryview(self._map).cast("B")[:HEADER_BYTES].cast("q")
         self._flag_index = [r * FLAG_STRIDE_BYTES // 8 for r in range(group.size)]
-        self._spin_checks = SPIN_CHECKS if group.size <= len(os.sched_getaffinity(0)) else 0
         self._halves = {dtype: [self._half_view(half, dtype) for half in (0, 1)] for dtype in SUPPORTED_DTYPES}
         self._slot_views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
 
@@ -144,12 +142,13 @@ class OneShotAllReduce:
         self.num_calls += 1
         n = self.num_calls
         slots = self._slots(x.dtype, x.shape)[n % 2]
-        slots[self.me].copy_(x)
-        self._flags[self._flag_index[self.me]] = n
-        self._wait_for_all(n)
-        torch.add(slots[0], slots[1], out=x)
-        for slot in slots[2:]:
-            x.add_(slot)
+        with torch.no_grad():  # like dist.all_reduce: no autograd graph through the shared slots
+            slots[self.me].copy_(x)
+            self._flags[self._flag_index[self.me]] = n
+            self._wait_for_all(n)
+            torch.add(slots[0], slots[1], out=x)
+            for slot in slots[2:]:
+                x.add_(slot)
         return x
 
     def _arrived(self, n: int) -> bool:
@@ -157,9 +156,8 @@ class OneShotAllReduce:
         return all(flags[i] >= n for i in self._flag_index)
 
     def _wait_for_all(self, n: int) -> None:
-        for _ in range(self._spin_checks):
-            if self._arrived(n):
-                return
+        if self._arrived(n):
+            return
         start = time.monotonic()
         sleep_s = MIN_SLEEP_SECONDS
         while not self._arrived(n):
