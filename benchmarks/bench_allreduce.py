@@ -5,7 +5,7 @@
 
 1. Collectives: for each world size, spawns that many processes (gloo over loopback, FileStore
    rendezvous) and times float32 all-reduces of each size through gloo, the one-shot path
-   (16 MB slots) and the ``auto`` reducer, the three taking turns call by call. Every call is
+   (slots as large as the largest size) and the ``auto`` reducer, the three taking turns call by call. Every call is
    timed on every rank; a row reports the median per-call latency on rank 0 and the slowest
    rank's mean.
 2. Decoding: ``mid-llama`` batch-1 greedy decoding at TP=1 (local), TP=2 with

@@ -40,8 +40,10 @@ anywhere from 0.9x to 2.9x across runs (each rank adds every slot, so its work g
 group while gloo's does not): 512 KB is the largest size that never lost. It covers decode
 messages (tokens x hidden x 4 bytes: 128 tokens of a 1024-wide model) and costs 2 halves x
 group size x 512 KB of /dev/shm per group; prefill-sized messages go to gloo."""
-ONE_SHOT_SLOT_BYTES = 16 << 20
-"""Slot size when one_shot is forced: messages up to 16 MB (2 x group size x 16 MB of /dev/shm)."""
+ONE_SHOT_SLOT_BYTES = 4 << 20
+"""Slot size when one_shot is forced: messages up to 4 MB, for 2 x group size x 4 MB of /dev/shm
+per group (32 MB for a tp group of 4: well inside Docker's default 64 MB /dev/shm even with the
+MoE groups; a /dev/shm too small fails set-up with an error naming the size)."""
 
 
 class SelectedAllReduce:
