@@ -5,9 +5,9 @@
 
 1. Collectives: for each world size, spawns that many processes (gloo over loopback, FileStore
    rendezvous) and times float32 all-reduces of each size through gloo, the one-shot path
-   (slots as large as the largest size) and the ``auto`` reducer, the three taking turns call by call. Every call is
-   timed on every rank; a row reports the median per-call latency on rank 0 and the slowest
-   rank's mean.
+   (slots as large as the largest size) and the ``auto`` reducer, taking turns call by call.
+   Every call is timed on every rank; a row reports the median per-call latency on rank 0
+   and the slowest rank's mean.
 2. Decoding: ``mid-llama`` batch-1 greedy decoding at TP=1 (local), TP=2 with
    ``allreduce="torch"`` and TP=2 with ``allreduce="one_shot"`` (mp launcher); median TPOT.
 
