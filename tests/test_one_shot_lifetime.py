@@ -22,11 +22,15 @@ def my_segments() -> list[str]:
     return [f for f in os.listdir(one_shot.SHM_DIR) if f.startswith(f"{one_shot.NAME_PREFIX}{os.getpid()}-")]
 
 
+def _cannot_map(path: str, size: int):
+    raise OSError("injected failure")
+
+
 def _failed_setup(rank: int, group: TorchGroup) -> dict:
     """Rank 1 cannot map the segment: every rank falls back (auto) or raises (one_shot) together."""
     real_open = one_shot._open_and_map
     if rank == 1:
-        one_shot._open_and_map = lambda path, size: (_ for _ in ()).throw(OSError("injected failure"))
+        one_shot._open_and_map = _cannot_map
     try:
         auto = make_reducer(group, [0] * group.size, "auto", 30.0)
         try:
