@@ -130,6 +130,7 @@ def test_token_digest_depends_on_every_token_and_its_order():
     assert fold(0, [1, 2, 4]) != base
     assert fold(0, [3, 2, 1]) != base
     assert fold(fold(0, [1]), [2, 3]) != base  # steps are folded one at a time: boundaries differ
+    assert fold(0, [[1, 2], [3]]) != fold(0, [[1], [2, 3]])  # several tokens per sequence (drafts)
 
 
 def test_failure_names_the_dead_rank_before_the_ranks_that_only_reported_errors():
@@ -138,3 +139,40 @@ def test_failure_names_the_dead_rank_before_the_ranks_that_only_reported_errors(
     assert "rank 2 (pid 1234) died (killed by SIGKILL)" in str(failure)
     only_errors = RankFailure.build("generate", dead=[], errors={3: "TokenDivergence: x", 1: "ValueError: y"})
     assert only_errors.ranks == [1] and "rank 1 failed: ValueError: y" in str(only_errors)
+
+
+class _FakeGroup:
+    """What all_gather_object would return on four ranks (rank 2 sampled differently)."""
+
+    ranks = (0, 1, 2, 3)
+    size = 4
+
+    def all_gather_object(self, value):
+        return [value, value, (value[0], 999), value]
+
+
+def test_token_divergence_names_the_rank():
+    from specray.workers.token_check import TokenDivergence, check_same_on_every_rank
+
+    with pytest.raises(TokenDivergence, match=r"step 5 tokens: rank\(s\) \[2\] differ from rank 0"):
+        check_same_on_every_rank(_FakeGroup(), ([0, 1], [17, 18]), "step 5 tokens")
+
+
+def test_torchrun_environment_gives_the_rendezvous_and_picks_external(monkeypatch):
+    from specray.comm.rendezvous import from_torchrun_env, host_key
+    from specray.launch import resolve_launcher
+
+    env = dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", TORCHELASTIC_RUN_ID="x")
+    rdzv = from_torchrun_env(env)
+    assert (rdzv.rank, rdzv.world_size, rdzv.local_rank, rdzv.local_world_size) == (3, 4, 1, 2)
+    assert rdzv.node_key == f"{host_key()}/node1" and rdzv.store_port is None  # env:// rendezvous
+    with pytest.raises(ValueError, match=r"missing \['MASTER_ADDR', 'MASTER_PORT'\]"):
+        from_torchrun_env(dict(RANK="0", WORLD_SIZE="2"))
+    for key in env:
+        monkeypatch.delenv(key, raising=False)
+    assert resolve_launcher(EngineConfig(parallel=ParallelConfig(tp_size=4))) == "mp"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert resolve_launcher(EngineConfig(parallel=ParallelConfig(tp_size=4))) == "external"
+    assert resolve_launcher(EngineConfig(parallel=ParallelConfig(tp_size=4, launcher="ray"))) == "ray"

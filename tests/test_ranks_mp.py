@@ -128,3 +128,13 @@ def test_killed_follower_fails_generate_naming_the_rank(tiny_checkpoints):
     llm.close()
     llm.close()
     assert_nothing_left(engine)
+
+
+def test_idle_longer_than_the_timeout_is_not_death(tiny_checkpoints):
+    """Followers wait for plans with the group timeout; rank 0's heartbeats keep an idle job alive."""
+    model = tiny_checkpoints("llama")
+    expected = single_rank_tokens(model)
+    timeout_s = 5.0
+    with LLM(config(model, 2, launcher="mp", timeout_s=timeout_s)) as llm:
+        time.sleep(timeout_s * 1.5)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

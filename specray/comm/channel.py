@@ -60,7 +60,8 @@ class PeerGone(RuntimeError):
 
 
 def wait_until(ready, timeout_s: float | None, peers_alive, what: str) -> None:
-    """Spin ~50 us, yield up to 1 ms, then sleep (20 us doubling to 2 ms) until ``ready()``."""
+    """Spin ~50 us, yield up to 1 ms, then sleep (20 us doubling to 2 ms; to 20 ms once the
+    wait passes 100 ms, i.e. rank 0 is idle, not planning) until ``ready()``."""
     if ready():
         return
     start = time.monotonic()
@@ -74,7 +75,7 @@ def wait_until(ready, timeout_s: float | None, peers_alive, what: str) -> None:
             os.sched_yield()
         else:
             time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            pause = min(pause * 2, 2e-3 if now - start < 0.1 else 20e-3)
         if now >= next_check:
             peers_alive()
             next_check = now + 0.2

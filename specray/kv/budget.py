@@ -1,11 +1,16 @@
-"""How much memory a rank can give to KV pools, and the pool geometry that fills it."""
+"""How much memory a rank can give to KV pools, and the pool geometry that fills it.
+
+The split charges each pool at the page size it is allocated with: both pools hold the
+same number of tokens, a multiple of both page sizes, so every page is whole and the bytes
+charged are exactly ``PoolGeometry.num_bytes``, the bytes ``allocate_pool`` allocates.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from specray.config import KVConfig
-from specray.kv.geometry import PoolGeometry, block_bytes
+from specray.kv.geometry import KVLayout, PoolGeometry
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -19,22 +24,34 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_budget_bytes(kv: KVConfig, device: torch.device) -> int:
+def kv_budget_bytes(memory_fraction: float, kv: KVConfig, device: torch.device) -> int:
     """The KV memory this rank offers: a fraction of what is free (capped on CPU)."""
-    budget = int(available_memory_bytes(device) * kv.memory_fraction)
+    budget = int(available_memory_bytes(device) * memory_fraction)
     return min(budget, kv.cpu_max_bytes) if device.type == "cpu" else budget
 
 
-def pool_geometry(*, tokens_per_block: int, capacity_tokens: int | None, budget_bytes: int, num_layers: int,
-                  num_kv_heads: int, head_dim: int, dtype: str) -> PoolGeometry:
-    """One pool sized by an explicit token capacity, or by the bytes it may take."""
-    per_block = block_bytes(tokens_per_block, num_layers, num_kv_heads, head_dim, dtype)
+def _geometry(layout: KVLayout, page: int, capacity: int, dtype: str) -> PoolGeometry:
+    return PoolGeometry(tokens_per_block=page, num_blocks=capacity // page, num_layers=layout.num_layers,
+                        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype)
+
+
+def split_budget(*, budget_bytes: int, capacity_tokens: int | None, target: KVLayout, target_page: int,
+                 draft: KVLayout | None, draft_page: int | None, dtype: str) -> dict[str, PoolGeometry]:
+    """Target (and draft) pool geometry holding the same token capacity within the budget.
+
+    capacity = the explicit token capacity rounded up, or the most tokens whose pages in both
+    pools fit in budget_bytes; always a multiple of both page sizes."""
+    pools = {"target": (target, target_page)}
+    if draft is not None:
+        pools["draft"] = (draft, draft_page)
+    unit = max(page for _, page in pools.values())  # both are powers of two: the larger is the lcm
     if capacity_tokens is not None:
-        num_blocks = -(-capacity_tokens // tokens_per_block)
+        capacity = -(-capacity_tokens // unit) * unit
     else:
-        num_blocks = budget_bytes // per_block
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget ({budget_bytes} bytes) is smaller than one page ({per_block} bytes); "
-                         f"raise kv.memory_fraction or kv.cpu_max_bytes, or set kv.capacity_tokens")
-    return PoolGeometry(tokens_per_block=tokens_per_block, num_blocks=num_blocks, num_layers=num_layers,
-                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        bytes_per_unit = sum(_geometry(layout, page, unit, dtype).num_bytes for layout, page in pools.values())
+        capacity = budget_bytes // bytes_per_unit * unit
+        if capacity == 0:
+            raise ValueError(f"the KV budget ({budget_bytes} bytes) cannot hold {unit} tokens in every pool "
+                             f"({bytes_per_unit} bytes); raise kv.memory_fraction or kv.cpu_max_bytes, "
+                             f"or set kv.capacity_tokens")
+    return {name: _geometry(layout, page, capacity, dtype) for name, (layout, page) in pools.items()}

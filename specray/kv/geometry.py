@@ -14,6 +14,15 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The KV shape a model (or a drafter's layers) needs per token on one rank."""
+
+    num_layers: int
+    num_kv_heads: int  # on one rank
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolGeometry:
     tokens_per_block: int
     num_blocks: int

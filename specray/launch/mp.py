@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 
 from specray.comm.rendezvous import Rendezvous, host_key, host_store, new_job_id
 from specray.config import EngineConfig
+from specray.envs import forwarded_env
 from specray.executor.engine import EngineCore
 from specray.launch.procs import RankFailure, describe_exit, stop_processes
 from specray.launch.rank import error_reply, exception_from_reply, run_follower, serve, start_rank
@@ -27,8 +29,9 @@ from specray.launch.rank import error_reply, exception_from_reply, run_follower,
 log = logging.getLogger(__name__)
 
 
-def _rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
-    """Entry point of one rank process."""
+def _rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection, env: dict[str, str]) -> None:
+    """Entry point of one rank process; ``env``: the driver's forwarded variables."""
+    os.environ.update(env)
     session = None
     try:
         session = start_rank(config, rdzv)
@@ -82,6 +85,7 @@ class MPEngine:
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._closed = False
+        self._call_lock = threading.Lock()
         try:
             self._spawn()
             replies = self._await([self._conns[r] for r in range(self.world_size)], "start-up",
@@ -99,7 +103,7 @@ class MPEngine:
                               local_world_size=self.world_size, node_key=host_key(),
                               store_host="127.0.0.1", store_port=self._store.port, job_id=self.job_id)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(self.config, rdzv, child), daemon=True,
+            proc = ctx.Process(target=_rank_main, args=(self.config, rdzv, child, forwarded_env()), daemon=True,
                                name=f"specray-{self.job_id}-rank{rank}")
             proc.start()
             child.close()
@@ -141,10 +145,11 @@ class MPEngine:
         return failure
 
     def generate(self, prompts, params):
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-        self._conns[0].send(("generate", prompts, params))
-        return self._await([self._conns[0]], "generate")[0][1]
+        with self._call_lock:  # one call at a time on the pipe to rank 0
+            if self._closed:
+                raise RuntimeError("this LLM is closed")
+            self._conns[0].send(("generate", prompts, params))
+            return self._await([self._conns[0]], "generate")[0][1]
 
     def close(self) -> None:
         if self._closed:

@@ -58,7 +58,9 @@ def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None) -> RankSessio
 
 def share_cpu_threads(num_local_ranks: int) -> None:
     """CPU ranks on one host split its cores: oversubscribed intra-op threads make every
-    rank wait on the slowest at each collective."""
+    rank wait on the slowest at each collective. An explicit OMP_NUM_THREADS wins."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // num_local_ranks))
 
@@ -75,7 +77,8 @@ def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], rep
     while True:
         request = next_request(heartbeat_s)
         if request is None:
-            engine.channel.heartbeat()
+            if engine.channel is not None:
+                engine.channel.heartbeat()
             continue
         if request[0] == "close":
             return

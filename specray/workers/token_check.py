@@ -8,14 +8,16 @@ tokens themselves are compared after every step, which names the first step that
 
 from __future__ import annotations
 
+import pickle
 import zlib
-from array import array
 
 from specray.comm.group import Group
 
 
-def fold(digest: int, tokens: list[int]) -> int:
-    return zlib.crc32(array("q", [len(tokens), *tokens]).tobytes(), digest)  # the count marks step boundaries
+def fold(digest: int, tokens: list) -> int:
+    """Fold one step's tokens (ints, or one list per sequence when a step emits several) in;
+    the pickle of a list carries its length, so step boundaries count too."""
+    return zlib.crc32(pickle.dumps(tokens, protocol=pickle.HIGHEST_PROTOCOL), digest)
 
 
 class TokenDivergence(RuntimeError):

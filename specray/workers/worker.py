@@ -7,6 +7,8 @@ block table and the sampling state; the plan only carries what changed.
 from __future__ import annotations
 
 import logging
+import socket
+from dataclasses import replace
 
 import torch
 
@@ -14,11 +16,15 @@ from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
 from specray.executor.plan import StepPlan
 from specray.executor.sampling import sample
-from specray.kv.budget import kv_budget_bytes, pool_geometry
-from specray.kv.geometry import PoolGeometry, allocate_pool
+from specray.envs import rank_page_sizes, rank_value
+from specray.kv.agreement import RankReport, agree, verify
+from specray.kv.budget import kv_budget_bytes
+from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch, read_arch
-from specray.models.attention import AttentionMetadata
+from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata
+from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
+from specray.models.drafters import build_drafter
 from specray.models.loader import CheckpointReader
 from specray.models.presets import resolve_model
 from specray.workers.token_check import check_same_on_every_rank, fold
@@ -41,7 +47,9 @@ class RankWorker:
         self.config, self.ctx = config, ctx
         torch.manual_seed(config.seed)
         self.model = load_model(resolve_model(config.model, config.seed), ctx, config.dtype)
-        self.pools: list[torch.Tensor] = []
+        self.drafter = build_drafter(config, ctx, self.model)
+        self.pools: list[torch.Tensor] = []  # target pool, one tensor per layer
+        self.draft_pools: list[torch.Tensor] = []  # standalone drafter's pool
         self.geometry: dict[str, PoolGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
@@ -54,15 +62,40 @@ class RankWorker:
 
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
-        cfg, arch = self.config, self.arch
-        target = pool_geometry(
-            tokens_per_block=cfg.kv.tokens_per_block, capacity_tokens=cfg.kv.capacity_tokens,
-            budget_bytes=kv_budget_bytes(cfg.kv, self.ctx.device), num_layers=arch.num_layers,
-            num_kv_heads=self.model.num_local_kv_heads, head_dim=arch.head_dim, dtype=cfg.dtype,
-        )
-        self.geometry = {"target": target}
-        self.pools = allocate_pool(target, self.ctx.device)
-        return self.geometry
+        cfg, ctx = self.config, self.ctx
+        geometry = agree(ctx.cpu, self.report(), cfg.kv, cfg.spec.method, cfg.dtype)
+        extra = int(rank_value("SPECRAY_FAULT_KV_EXTRA_BLOCKS", ctx.rank) or 0)  # testing only
+        if extra:
+            geometry["target"] = replace(geometry["target"], num_blocks=geometry["target"].num_blocks + extra)
+        pools = {name: allocate_pool(g, ctx.device) for name, g in geometry.items()}
+        verify(ctx.cpu, pools)
+        self.geometry = geometry
+        self.pools = pools["target"]
+        self.draft_pools = pools.get("draft", [])
+        return geometry
+
+    def report(self) -> RankReport:
+        """What this rank tells rank 0: its KV budget, kernels' page sizes and KV layouts."""
+        cfg, ctx, arch = self.config, self.ctx, self.arch
+        fraction = float(rank_value("SPECRAY_KV_MEMORY_FRACTION", ctx.rank) or cfg.kv.memory_fraction)
+        layout = KVLayout(arch.num_layers, self.model.num_local_kv_heads, arch.head_dim)
+        draft_layout, draft_kernels = None, {}
+        if self.drafter is not None and self.drafter.is_standalone:
+            draft_layout = self.drafter.kv_layout
+            narrowed = rank_page_sizes("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", ctx.rank)
+            sizes = BLOCK_DECODE_PAGE_SIZES if narrowed is None else BLOCK_DECODE_PAGE_SIZES & narrowed
+            draft_kernels = {"block_decode_attention": sizes}
+        elif self.drafter is not None:  # one-model drafter: its layers live in the target pool
+            own = self.drafter.kv_layout
+            if (own.num_kv_heads, own.head_dim) != (layout.num_kv_heads, layout.head_dim):
+                raise ValueError(f"{cfg.spec.method} layers need {own.num_kv_heads} kv heads of {own.head_dim} "
+                                 f"per rank to share the target pool, which has {layout.num_kv_heads} of "
+                                 f"{layout.head_dim}")
+            layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
+        return RankReport(rank=ctx.rank, node=socket.gethostname(),
+                          budget_bytes=kv_budget_bytes(fraction, cfg.kv, ctx.device), target_layout=layout,
+                          target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
+                          draft_layout=draft_layout, draft_kernels=draft_kernels)
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:

@@ -1,0 +1,23 @@
+"""`make bench`: every benchmark, results under bench-results/ (gitignored).
+
+1. specray against transformers on mid-llama, batch 1 and 8, with the bandwidth roofline;
+2. the plain-decoding sweep of `specray bench` on mid-llama, batch 1, 2, 4, 8.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks import bench_vs_transformers
+from specray import cli
+
+
+def main() -> int:
+    bench_vs_transformers.main([])
+    print()
+    return cli.main(["bench", "--model", "mid-llama", "--input-len", "128", "--output-len", "128",
+                     "--batch-sizes", "1,2,4,8", "--json", "bench-results/plain_mid-llama.json"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

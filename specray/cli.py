@@ -1,0 +1,192 @@
+"""`specray generate | bench`.
+
+The engine and sampling flags are declared once (``add_engine_arguments``,
+``add_sampling_arguments``) and shared by every subcommand; ``engine_config_from_args``
+turns them into an ``EngineConfig``, so another entry point (a torchrun or Ray job script)
+builds the same config from the same flags. Bad values surface as the ``ValueError`` of the
+config dataclasses and print as one ``error: ...`` line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, SPEC_METHODS, EngineConfig, KVConfig,
+                            ParallelConfig, SamplingParams, SpecConfig)
+
+EXIT_USAGE = 2  # argparse's code for bad arguments; config errors use it too
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags print one ``error: ...`` line (with a pointer to --help), like config errors."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of EngineConfig, ParallelConfig, KVConfig and SpecConfig (defaults are theirs)."""
+    e, p, kv, s = EngineConfig(), ParallelConfig(), KVConfig(), SpecConfig()
+    g = parser.add_argument_group("model and device")
+    g.add_argument("--model", default=e.model, help="a built-in preset or a Hugging Face checkpoint directory")
+    g.add_argument("--device", default=e.device, help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=e.dtype, choices=DTYPES)
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together")
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=p.tp_size, help="tensor-parallel ranks (the world size)")
+    g.add_argument("--moe-tp", type=int, default=p.moe_tp_size, help="ways each expert is split")
+    g.add_argument("--moe-ep", type=int, default=p.moe_ep_size, help="expert-parallel groups")
+    g.add_argument("--launcher", default=p.launcher, choices=LAUNCHERS)
+    g.add_argument("--allreduce", default=p.allreduce, choices=ALLREDUCE_MODES)
+    g.add_argument("--timeout-s", type=float, default=p.timeout_s, help="limit of every collective and wait")
+    g = parser.add_argument_group("KV pools")
+    g.add_argument("--tokens-per-block", type=int, default=kv.tokens_per_block, help="page size (power of two)")
+    g.add_argument("--kv-capacity-tokens", type=int, default=kv.capacity_tokens,
+                   help="token capacity of each pool (default: sized from free memory)")
+    g.add_argument("--kv-memory-fraction", type=float, default=kv.memory_fraction,
+                   help="fraction of free memory the pools may take")
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=s.method, choices=SPEC_METHODS, help="drafting method (default: plain)")
+    g.add_argument("--draft-model", default=s.draft_model, help="drafter preset or checkpoint directory")
+    g.add_argument("--num-draft-tokens", type=int, default=s.num_draft_tokens, help="k: drafts per verify step")
+    g.add_argument("--force-accepted-tokens", type=float, default=s.force_accepted_tokens,
+                   help="benchmarking only, changes outputs: accept this many drafts per step")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    sp = SamplingParams()
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=sp.temperature, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=sp.top_k, help="0 disables top-k")
+    g.add_argument("--top-p", type=float, default=sp.top_p)
+    g.add_argument("--seed", type=int, default=sp.seed,
+                   help="sampling seed of the request(s); bench also seeds its random prompts with it")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags describe; raises ValueError naming a bad value."""
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        parallel=ParallelConfig(tp_size=args.tp, moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
+                                launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s),
+        kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,
+                    memory_fraction=args.kv_memory_fraction),
+        spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                        force_accepted_tokens=args.force_accepted_tokens),
+    )
+
+
+def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
+    fields = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return SamplingParams(**{**fields, **overrides})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specray", description="speculative-decoding LLM inference")
+    commands = parser.add_subparsers(dest="command", required=True)
+    shared = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(shared)
+    add_sampling_arguments(shared)
+
+    gen = commands.add_parser("generate", parents=[shared], help="generate from one prompt")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
+    prompt.add_argument("--prompt-ids", type=_int_list, help="token ids, e.g. 1,2,3")
+    gen.add_argument("--max-tokens", type=int, default=SamplingParams().max_tokens)
+    gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens even past EOS")
+    gen.set_defaults(run=run_generate)
+
+    bench = commands.add_parser("bench", parents=[shared], help="plain-decoding throughput and latency sweep")
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed calls before each measured one")
+    bench.add_argument("--json", metavar="PATH", help="write the rows and configs as JSON")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def _print_geometry(llm) -> None:
+    for name, geometry in llm.geometry.items():
+        print(geometry.describe(name))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from specray.llm import LLM
+    from specray.models.presets import is_preset, resolve_model
+    from specray.tokenizer import load_tokenizer
+
+    config = engine_config_from_args(args)
+    params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    checkpoint = resolve_model(config.model, config.seed)
+    try:
+        tokenizer = load_tokenizer(checkpoint, is_byte_level=is_preset(config.model))
+    except ValueError:
+        if args.prompt is not None:
+            raise
+        tokenizer = None  # ids in, ids out: no tokenizer needed
+    prompt = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
+    with LLM(config) as llm:
+        _print_geometry(llm)
+        start = time.perf_counter()
+        out = llm.generate([prompt], params)[0]
+        elapsed = time.perf_counter() - start
+    if tokenizer is not None:
+        print(tokenizer.decode(out.token_ids))
+    if args.prompt_ids is not None:
+        print("output ids:", ",".join(map(str, out.token_ids)))
+    n, m = len(out.token_ids), out.metrics
+    print(f"{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s (TTFT {m['ttft_s'] * 1e3:.1f} ms, "
+          f"TPOT {m['tpot_s'] * 1e3:.2f} ms, finish: {out.finish_reason})")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from specray import bench as bench_lib
+    from specray.llm import LLM
+    from specray.models.arch import read_arch
+    from specray.models.presets import resolve_model
+
+    config = engine_config_from_args(args)
+    params = sampling_params_from_args(args)
+    bench = bench_lib.BenchConfig(input_len=args.input_len, output_len=args.output_len,
+                                  batch_sizes=tuple(args.batch_sizes), warmup=args.warmup, seed=args.seed or 0)
+    vocab_size = read_arch(resolve_model(config.model, config.seed)).vocab_size
+    with LLM(config) as llm:
+        _print_geometry(llm)
+        rows = bench_lib.run_sweep(llm, bench, params, vocab_size, progress=not args.no_progress)
+        geometry = llm.geometry
+    print(f"{config.model}: input {bench.input_len}, output {bench.output_len} tokens, "
+          f"{config.dtype} on {config.device}, tp {config.parallel.tp_size}")
+    print(bench_lib.format_table(rows))
+    if args.json:
+        path = bench_lib.write_json(args.json, engine_config=config, bench=bench, geometry=geometry, rows=rows)
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed "usage ... error: ..."
+        return int(exit_.code or 0)
+    try:
+        return args.run(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

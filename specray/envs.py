@@ -1,0 +1,54 @@
+"""Environment variables specray reads on each rank (operators and tests set them).
+
+A value applies to every rank, or to chosen ranks with ``rank:value`` items separated by
+``;`` (``"1:32"`` narrows rank 1 only; ``"0:0.2;1:0.4"`` gives each rank its own value).
+
+| variable                          | meaning                                                        |
+|-----------------------------------|----------------------------------------------------------------|
+| SPECRAY_KV_MEMORY_FRACTION        | this rank's kv.memory_fraction                                 |
+| SPECRAY_DRAFT_KERNEL_PAGE_SIZES   | narrow this rank's drafter-kernel page sizes (comma list)      |
+| SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
+|                                   | fingerprint check must catch                                   |
+
+Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
+variables listed by ``forwarded_env``: specray's own, the communication libraries', and
+the thread-count knobs. Nothing else crosses, so a rank's behaviour does not depend on
+what the forkserver or the Ray worker happened to inherit.
+"""
+
+from __future__ import annotations
+
+import os
+
+FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+
+
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's variables that every rank process receives (the documented allowlist)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+
+
+def rank_value(name: str, rank: int) -> str | None:
+    """The value of ``name`` for ``rank``, or None when it is unset for that rank."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    if ":" not in raw:
+        return raw.strip()
+    for item in raw.split(";"):
+        who, _, value = item.partition(":")
+        if who.strip() == str(rank):
+            return value.strip()
+    return None
+
+
+def rank_page_sizes(name: str, rank: int) -> frozenset[int] | None:
+    value = rank_value(name, rank)
+    if value is None:
+        return None
+    try:
+        return frozenset(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r}: page sizes must be integers like '32,64'") from None

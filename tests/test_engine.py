@@ -1,0 +1,100 @@
+"""Single-rank engine behaviour: batching, preemption, sampling, stopping, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray import LLM, EngineConfig, KVConfig, SamplingParams
+from specray.models.presets import PRESETS
+
+PROMPTS = [list(range(1, 1 + n)) for n in (5, 30, 13, 61, 2, 44)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=16, capacity_tokens=4096))) as engine:
+        yield engine
+
+
+def test_preemption_keeps_every_request_and_its_tokens(llm):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    # 12 pages of 16 tokens cannot hold the six requests at once (they need ~25 pages).
+    small = EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=16, capacity_tokens=192))
+    with LLM(small) as tight:
+        outs = tight.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert all(len(o.token_ids) == 40 for o in outs)
+
+
+def test_batched_equals_one_at_a_time(llm):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(llm):
+    params = SamplingParams(max_tokens=30, temperature=1.0, top_k=50, top_p=0.9, seed=123, ignore_eos=True)
+    a = llm.generate(PROMPTS[:3], params)
+    b = llm.generate(PROMPTS[:3], params)
+    greedy = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in greedy]
+
+
+def test_top_k_one_is_greedy(llm):
+    sampled = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0.7, top_k=1, seed=1))
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in greedy]
+
+
+def test_stop_tokens_and_eos(llm):
+    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    stop = free[5]
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == free[: free.index(stop) + 1]
+    assert out.finish_reason == "stop"
+    eos = PRESETS["tiny-llama"]["eos_token_id"]
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8))[0].finish_reason in ("length", "stop")
+    assert eos not in llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30))[0].token_ids[:-1]
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "request 1: the prompt is empty"),
+    ([1, 320], SamplingParams(), r"request 1: token id 320 is outside the vocabulary \[0, 320\)"),
+    ([-1], SamplingParams(), "token id -1 is outside"),
+    (list(range(100)) * 41, SamplingParams(max_tokens=8), r"4100 tokens\) \+ max_tokens \(8\) = 4108 exceeds the KV pool capacity \(4096 tokens\)"),
+])
+def test_bad_request_rejects_the_call_and_keeps_the_engine(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], prompt], params)
+    # Nothing was half served: the engine still answers, and no page leaked.
+    ok = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    assert len(ok[0].token_ids) == 4
+    assert llm._engine.allocator.num_free == llm._engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: SamplingParams(max_tokens=0), r"max_tokens \(0\) must be an integer >= 1"),
+    (lambda: SamplingParams(temperature=-0.5), r"temperature \(-0.5\) must be >= 0"),
+    (lambda: SamplingParams(top_p=0.0), r"top_p \(0.0\) must be in \(0, 1\]"),
+    (lambda: SamplingParams(top_p=1.5), r"top_p \(1.5\) must be in \(0, 1\]"),
+    (lambda: KVConfig(tokens_per_block=48), r"tokens_per_block \(48\) must be a power of two from 8 to 256"),
+    (lambda: KVConfig(tokens_per_block=4), r"tokens_per_block \(4\) must be a power of two"),
+    (lambda: KVConfig(tokens_per_block=512), r"tokens_per_block \(512\) must be a power of two"),
+])
+def test_bad_config_names_the_value_and_rule(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(EngineConfig(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported"):
+        LLM(EngineConfig(model=str(tmp_path)))
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM(EngineConfig(model="no-such-model"))

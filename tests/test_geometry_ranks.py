@@ -1,0 +1,41 @@
+"""The geometry agreement across rank processes (mp launcher, gloo).
+
+Per-rank differences are injected with the per-rank environment variables of specray.envs,
+which the launcher forwards to every rank and each rank reads for itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
+from specray.kv.budget import available_memory_bytes
+
+
+def _config(tp: int, **kv) -> EngineConfig:
+    return EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=16, cpu_max_bytes=1 << 40, **kv),
+                        parallel=ParallelConfig(tp_size=tp, launcher="mp", timeout_s=30.0))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch, tp):
+    # Rank r offers (r + 1) x 0.0005 of the free memory (~10-40 MB here); every rank must
+    # allocate what the smallest offer holds. A 25% band absorbs free memory moving between
+    # the ranks' readings while still telling the minimum (x1) from any other offer (>= x2).
+    monkeypatch.setenv("SPECRAY_KV_MEMORY_FRACTION", ";".join(f"{r}:{0.0005 * (r + 1)}" for r in range(tp)))
+    expected = 0.0005 * available_memory_bytes(torch.device("cpu"))
+    with LLM(_config(tp)) as llm:
+        (name, geometry), = llm.geometry.items()
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    # tiny-llama: 4 kv heads over tp ranks, 4 layers, head_dim 32, float32, 16-token pages
+    assert geometry.num_kv_heads == 4 // tp
+    assert geometry.block_bytes == 2 * 4 * (4 // tp) * 16 * 32 * 4
+    assert 0.75 * expected <= geometry.num_bytes <= 1.25 * expected
+    assert len(out[0].token_ids) == 4  # the agreed pools serve
+
+
+def test_fingerprint_mismatch_is_caught_before_serving(monkeypatch):
+    monkeypatch.setenv("SPECRAY_FAULT_KV_EXTRA_BLOCKS", "1:3")  # rank 1 allocates 3 blocks too many
+    with pytest.raises(Exception, match=r"KV geometry mismatch: rank 1 allocated target.num_blocks = 67, "
+                                        r"rank 0 allocated 64"):
+        LLM(_config(2, capacity_tokens=1024))
