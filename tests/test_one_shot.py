@@ -103,7 +103,7 @@ def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+    return x.detach().contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
 def check_bitwise(reducer, rank: int, world: int, shape, dtype, case: int, make_input=None) -> bytes:
@@ -147,6 +147,8 @@ def check_group(group: TorchGroup) -> tuple[tuple[str, str], list[bytes]]:
         with torch.inference_mode():
             case += 1
             digests.append(check_bitwise(forced, rank, world, (3, 5, 64), dtype, case))
+    digests.append(check_bitwise(forced, rank, world, (5,), torch.float32, 77,  # outside inference mode
+                                 lambda r: rank_input(r, (5,), torch.float32, 77).requires_grad_()))
     assert forced.one_shot.num_calls == len(digests), "every forced call fits the slot and goes one-shot"
 
     # auto: a message of exactly the threshold goes one-shot, one element more goes to torch (gloo)
@@ -212,7 +214,7 @@ def test_groups_of_2_3_4_ranks_bitwise_selection_and_isolation(tmp_path):
         expected_groups = [g for g in [(0, 1), (0, 1, 2), (0, 1, 2, 3)] if rank in g]
         assert list(value["routes"]) == expected_groups
         assert all(routes == ("one_shot", "torch") for routes in value["routes"].values())
-        assert value["num_checked"] == [3 * 8 + 2] * len(expected_groups)
+        assert value["num_checked"] == [3 * 8 + 3] * len(expected_groups)
         assert value["interleaved"] == 12 * 3
         assert value["across_nodes"] == [None, None] and value["torch_mode"] is None
 
