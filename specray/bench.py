@@ -54,6 +54,8 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("ttft_p50_ms", "TTFT p50 ms", ".1f"),
     ("tpot_p50_ms", "TPOT p50 ms", ".2f"),
     ("tpot_p90_ms", "TPOT p90 ms", ".2f"),
+    ("acceptance_length", "AL", ".2f"),  # speculative decoding only
+    ("acceptance_rate", "accepted", ".2f"),
 ]
 
 
@@ -78,7 +80,17 @@ def row_from_outputs(batch: int, outputs, wall_s: float) -> dict:
         tpot_p50_ms=tpot_p50,
         tpot_p90_ms=float(np.percentile(tpot_ms, 90)),
         num_preemptions=sum(o.metrics.get("num_preemptions", 0) for o in outputs),
+        **_spec_columns(outputs),
     )
+
+
+def _spec_columns(outputs) -> dict:
+    """Acceptance length, rate, per-position rate and histogram over the call (speculative only)."""
+    from specray.executor.spec_metrics import aggregate
+
+    agg = aggregate([o.metrics for o in outputs])
+    keys = ("acceptance_length", "acceptance_rate", "acceptance_per_position", "acceptance_histogram")
+    return {k: agg[k] for k in keys if k in agg}
 
 
 def measure_batch(llm, prompts: list[list[int]], bench: BenchConfig, params: SamplingParams,

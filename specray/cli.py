@@ -10,6 +10,7 @@ config dataclasses and print as one ``error: ...`` line with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed calls before each measured one")
     bench.add_argument("--json", metavar="PATH", help="write the rows and configs as JSON")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw tok/s against batch size (plain and, with --spec, "
+                       "speculative decoding, which runs both) and the per-position acceptance rate")
     bench.set_defaults(run=run_bench)
     return parser
 
@@ -172,6 +175,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         path = bench_lib.write_json(args.json, engine_config=config, bench=bench, geometry=geometry, rows=rows)
         print(f"wrote {path}")
+    if args.plot:
+        from specray.bench_plot import plot_sweeps
+
+        plain_rows, spec_rows = rows, None
+        if config.spec.is_enabled:  # the plot compares against plain decoding: run it too
+            plain_config = dataclasses.replace(config, spec=SpecConfig())
+            with LLM(plain_config) as llm:
+                plain_rows = bench_lib.run_sweep(llm, bench, params, vocab_size, progress=not args.no_progress)
+            spec_rows = rows
+        print(f"wrote {plot_sweeps(args.plot, plain_rows, spec_rows, title=config.model)}")
     return 0
 
 

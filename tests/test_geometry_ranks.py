@@ -5,10 +5,12 @@ which the launcher forwards to every rank and each rank reads for itself."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.kv.budget import available_memory_bytes
 
 
@@ -39,3 +41,38 @@ def test_fingerprint_mismatch_is_caught_before_serving(monkeypatch):
     with pytest.raises(Exception, match=r"KV geometry mismatch: rank 1 allocated target.num_blocks = 67, "
                                         r"rank 0 allocated 64"):
         LLM(_config(2, capacity_tokens=1024))
+
+
+def _spec_config(tp: int, method: str, target_page: int) -> EngineConfig:
+    return EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=target_page, capacity_tokens=2048),
+                        spec=SpecConfig(method=method, num_draft_tokens=3),
+                        parallel=ParallelConfig(tp_size=tp, launcher="mp", timeout_s=30.0))
+
+
+@pytest.mark.parametrize("tp, method", [(2, "draft_model"), (4, "dflash")])
+def test_one_rank_narrowed_to_32_moves_every_rank_to_32(monkeypatch, tp, method):
+    monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", f"{tp - 1}:32")  # only the last rank
+    with LLM(_spec_config(tp, method, 64)) as llm:
+        geometry = llm.geometry
+        out = llm.generate([list(range(1, 80))], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert geometry["target"].tokens_per_block == 64
+    assert geometry["draft"].tokens_per_block == 32
+    assert geometry["target"].capacity_tokens == geometry["draft"].capacity_tokens == 2048
+    assert len(out[0].token_ids) == 40
+
+
+def test_without_narrowing_the_draft_pool_keeps_64(monkeypatch):
+    monkeypatch.delenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", raising=False)
+    with LLM(_spec_config(2, "draft_model", 64)) as llm:
+        assert llm.geometry["draft"].tokens_per_block == 64
+
+
+def test_ranks_sharing_no_page_size_fail_everywhere_without_hanging(monkeypatch):
+    # target 128 -> the drafters need 128 or the fallback 32; rank 0 takes only 64, rank 1 only 32.
+    monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", "0:64;1:32")
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"no draft page size works on every rank.*"
+                                        r"rank 0: block_decode_attention accepts \[64\]; "
+                                        r"rank 1: block_decode_attention accepts \[32\]"):
+        LLM(_spec_config(2, "dflash", 128))
+    assert time.monotonic() - start < 30.0  # an error, not a wait for the timeout

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
+from specray.executor import spec_metrics
 from specray.executor.plan import CallEnd, StepPlan
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.kv.allocator import BlockAllocator
@@ -62,6 +63,10 @@ class EngineCore:
         self.is_broken = False  # a step failed midway: the ranks may disagree, serve no more
         self.geometry = worker.geometry  # agreed by every rank before the engine starts
         self.allocator = BlockAllocator(self.geometry["target"].num_blocks)
+        # a standalone drafter's pool: its own pages (its page size may differ), same token capacity
+        draft = self.geometry.get("draft")
+        self.draft_allocator = BlockAllocator(draft.num_blocks) if draft is not None else None
+        self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
         self._seq_ids = 0
         self._rng = random.Random(config.seed)
 
@@ -79,7 +84,7 @@ class EngineCore:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         prompts = [list(map(int, p)) for p in prompts]
         try:
-            validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, 0)
+            validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, self.num_draft_tokens)
         except ValueError as e:
             if self.sends_outputs:
                 self.channel.send(CallEnd(error=str(e)))
@@ -94,9 +99,12 @@ class EngineCore:
         return outputs
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-        kv = self.config.kv
-        scheduler = Scheduler(self.allocator, kv.tokens_per_block, self.config.max_num_seqs,
-                              self.config.max_num_batched_tokens)
+        k = self.num_draft_tokens
+        draft = self.geometry.get("draft")
+        scheduler = Scheduler(self.allocator, self.geometry["target"].tokens_per_block, self.config.max_num_seqs,
+                              self.config.max_num_batched_tokens, num_draft_tokens=k,
+                              draft_allocator=self.draft_allocator,
+                              draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0)
         seqs = []
         for prompt, p in zip(prompts, params):
             seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
@@ -112,16 +120,18 @@ class EngineCore:
         end = scheduler.schedule()
         end.is_call_end = True
         self._step(end)
-        return [self._output(i, s) for i, s in enumerate(seqs)]
+        return [self._output(i, s, k) for i, s in enumerate(seqs)]
 
     @staticmethod
-    def _output(index: int, seq: Sequence) -> RequestOutput:
+    def _output(index: int, seq: Sequence, num_draft_tokens: int = 0) -> RequestOutput:
         out = seq.output_ids
         p = seq.params
         reason = "length" if len(out) >= p.max_tokens and out[-1] not in p.stop_token_ids else "stop"
         ttft = seq.first_token_s - seq.arrival_s
         tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
         metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
+        if num_draft_tokens:
+            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens))
         return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, reason, metrics)
 
     def close(self) -> None:

@@ -12,6 +12,14 @@ Rules:
   running request is preempted: its pages are freed, and it waits at the front of the
   queue to be recomputed (prompt plus what it already generated), so no request fails;
 - finishing frees every page of the request at once.
+
+Speculative decoding (``num_draft_tokens`` k > 0): a decoding sequence feeds its last token
+and the ranks append k drafts, so its pages cover ``len(token_ids) + k`` slots; after the
+step the drafts that were not accepted are rolled back: ``num_computed`` drops to the
+verified tokens and every page past them goes back to the free list (target and draft
+pool alike), and the next plan tells the ranks the new table lengths (``truncated``). A
+standalone drafter's pool has its own allocator and page size; a sequence runs only when
+both pools have its pages, and preemption and finishing release both.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    draft_block_table: list[int] = field(default_factory=list)  # standalone drafter's pages
+    num_draft_blocks_sent: int = 0
+    num_drafts_fed: int = 0  # drafts verified in the step being run
+    accepted_counts: list[int] = field(default_factory=list)  # drafts accepted, per verify step
 
     @property
     def output_ids(self) -> list[int]:
@@ -67,17 +79,22 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, tokens_per_block: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, lookahead_tokens: int = 0):
+                 max_num_batched_tokens: int, lookahead_tokens: int = 0, num_draft_tokens: int = 0,
+                 draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0):
         self.allocator = allocator
+        self.draft_allocator = draft_allocator  # a standalone drafter's pool, else None
+        self.draft_tokens_per_block = draft_tokens_per_block
+        self.num_draft_tokens = num_draft_tokens
         self.tokens_per_block = tokens_per_block
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.lookahead_tokens = lookahead_tokens  # extra slots a step may write (drafts)
+        self.lookahead_tokens = max(lookahead_tokens, num_draft_tokens)  # extra slots a step may write (drafts)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
         self._preempted: list[int] = []  # since the last plan: ranks reset their block tables
         self._finished: list[int] = []  # since the last plan: ranks drop every trace of them
+        self._truncated: dict[int, tuple[int, int]] = {}  # since the last plan: rolled-back table lengths
 
     @property
     def has_work(self) -> bool:
@@ -86,14 +103,34 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def _pages_for(self, seq: Sequence, extra: int) -> int:
-        return blocks_needed(len(seq.token_ids) + extra, self.tokens_per_block) - len(seq.block_table)
+    def _pages_for(self, seq: Sequence, extra: int) -> tuple[int, int]:
+        """Pages (target, draft) the sequence still needs to hold its tokens plus ``extra``."""
+        tokens = len(seq.token_ids) + extra
+        target = blocks_needed(tokens, self.tokens_per_block) - len(seq.block_table)
+        if self.draft_allocator is None:
+            return target, 0
+        return target, blocks_needed(tokens, self.draft_tokens_per_block) - len(seq.draft_block_table)
+
+    def _fits(self, need: tuple[int, int]) -> bool:
+        draft_free = self.draft_allocator.num_free if self.draft_allocator is not None else 0
+        return need[0] <= self.allocator.num_free and need[1] <= draft_free
+
+    def _grant(self, seq: Sequence, need: tuple[int, int]) -> None:
+        if need[0] > 0:
+            seq.block_table += self.allocator.allocate(need[0])
+        if need[1] > 0:
+            seq.draft_block_table += self.draft_allocator.allocate(need[1])
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_blocks_sent = 0
+        if self.draft_allocator is not None:
+            self.draft_allocator.free(seq.draft_block_table)
+        seq.draft_block_table = []
+        seq.num_draft_blocks_sent = 0
+        self._truncated.pop(seq.seq_id, None)
 
     def _preempt_latest(self) -> Sequence:
         victim = max(self.running, key=lambda s: s.admitted_at)
@@ -110,29 +147,29 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted while serving an earlier one
             need = self._pages_for(seq, self.lookahead_tokens)
-            while need > self.allocator.num_free:
+            while not self._fits(need):
                 if self._preempt_latest() is seq:
                     break
-            if seq in self.running and need > 0:
-                seq.block_table += self.allocator.allocate(need)
+            if seq in self.running:
+                self._grant(seq, need)
         # 2. Waiting requests join while pages, batch slots and the token budget allow.
         num_tokens = sum(s.num_uncomputed for s in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             need = self._pages_for(seq, self.lookahead_tokens)
             over_budget = num_tokens + seq.num_uncomputed > self.max_num_batched_tokens
-            if need > self.allocator.num_free or (over_budget and self.running):
+            if not self._fits(need) or (over_budget and self.running):
                 break
             self.waiting.popleft()
-            seq.block_table += self.allocator.allocate(need)
+            self._grant(seq, need)
             seq.admitted_at = next(self._admissions)
             self.running.append(seq)
             num_tokens += seq.num_uncomputed
         return self._plan()
 
     def _plan(self) -> StepPlan:
-        plan = StepPlan(preempted=self._preempted, finished=self._finished)
-        self._preempted, self._finished = [], []
+        plan = StepPlan(preempted=self._preempted, finished=self._finished, truncated=self._truncated)
+        self._preempted, self._finished, self._truncated = [], [], {}
         for seq in self.running:
             plan.seq_ids.append(seq.seq_id)
             plan.input_ids.append(seq.token_ids[seq.num_computed:])
@@ -141,16 +178,51 @@ class Scheduler:
             seq.num_blocks_sent = len(seq.block_table)
             if seq.num_computed == 0 and seq.num_preemptions == 0:
                 plan.new_seqs[seq.seq_id] = (seq.params, seq.seed)
+            if self.num_draft_tokens:
+                # only a decoding sequence drafts; a (re)computed prompt runs on the target alone
+                seq.num_drafts_fed = self.num_draft_tokens if seq.num_uncomputed == 1 else 0
+                plan.num_drafts.append(seq.num_drafts_fed)
+            if self.draft_allocator is not None:
+                plan.new_draft_blocks.append(seq.draft_block_table[seq.num_draft_blocks_sent:])
+                seq.num_draft_blocks_sent = len(seq.draft_block_table)
         return plan
 
-    def finish_step(self, tokens: list[int]) -> list[Sequence]:
-        """Record one sampled token per scheduled sequence; returns those that finished."""
+    def finish_step(self, tokens: list[int] | list[list[int]]) -> list[Sequence]:
+        """Record the new tokens of every scheduled sequence (one int each in plain decoding,
+        a list of accepted drafts plus the bonus token when it verified drafts); returns the
+        sequences that finished."""
         finished = []
-        for seq, token in zip(list(self.running), tokens):
-            seq.num_computed = len(seq.token_ids)
-            seq.append(token)
+        for seq, new in zip(list(self.running), tokens):
+            new = new if isinstance(new, list) else [new]
+            if seq.num_drafts_fed:
+                seq.accepted_counts.append(len(new) - 1)
+            # every fed token is cached except the rejected drafts; the last new token is not fed yet
+            seq.num_computed = len(seq.token_ids) + len(new) - 1
+            for token in new:
+                seq.append(token)
+                if seq.is_finished:
+                    break
             if seq.is_finished:
                 self._release(seq)
                 self._finished.append(seq.seq_id)
                 finished.append(seq)
+            elif self.num_draft_tokens:
+                self._roll_back(seq)
         return finished
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """Free the pages that hold only rejected drafts (past the verified tokens)."""
+        keep = blocks_needed(seq.num_computed, self.tokens_per_block)
+        keep_draft = len(seq.draft_block_table)
+        if self.draft_allocator is not None:
+            keep_draft = blocks_needed(seq.num_computed, self.draft_tokens_per_block)
+        if len(seq.block_table) <= keep and len(seq.draft_block_table) <= keep_draft:
+            return
+        self.allocator.free(seq.block_table[keep:])
+        seq.block_table = seq.block_table[:keep]
+        seq.num_blocks_sent = min(seq.num_blocks_sent, keep)
+        if self.draft_allocator is not None:
+            self.draft_allocator.free(seq.draft_block_table[keep_draft:])
+            seq.draft_block_table = seq.draft_block_table[:keep_draft]
+            seq.num_draft_blocks_sent = min(seq.num_draft_blocks_sent, keep_draft)
+        self._truncated[seq.seq_id] = (keep, keep_draft)

@@ -37,8 +37,9 @@ from specray.models.layers import (
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
         super().__init__()
+        self.kernel = kernel  # paged_attention, or block_decode_attention in standalone drafters
         tp, dev = ctx.tp, ctx.device
         self.head_dim = arch.head_dim
         self.num_local_heads = arch.num_heads // tp.size
@@ -63,7 +64,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(pool, k, v, meta.slot_mapping)
-        o = paged_attention(q, pool, meta, self.scale)
+        o = self.kernel(q, pool, meta, self.scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
     def load(self, reader, prefix: str) -> None:
@@ -139,11 +140,11 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, index: int, ctx: DistContext, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, index: int, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
         super().__init__()
         dev = ctx.device
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
-        self.self_attn = Attention(arch, ctx, dtype)
+        self.self_attn = Attention(arch, ctx, dtype, kernel)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.is_moe = index in arch.moe_layers
         self.mlp_prefix = arch.family.moe_prefix if self.is_moe else "mlp"
@@ -163,12 +164,12 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head, over paged KV pools."""
 
-    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
         super().__init__()
         self.arch = arch
         dev = ctx.device
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype, kernel) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
         if arch.tie_word_embeddings:
@@ -179,13 +180,24 @@ class CausalLM(nn.Module):
         return self.layers[0].self_attn.num_local_kv_heads
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, pools: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, one row per new token."""
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()):
+        """Hidden states after the final norm, one row per new token.
+
+        With ``capture_layers`` (speculative drafters conditioned on the target), returns
+        ``(hidden, captured)``: ``captured[i]`` is the residual stream after layer
+        ``capture_layers[i]``. ``pools`` may hold more layers than the model (a one-model
+        drafter's layers come last); the model uses the first ``num_layers``."""
         cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
         x = self.embed_tokens(ids)
-        for layer, pool in zip(self.layers, pools):
+        captured = {}
+        for i, (layer, pool) in enumerate(zip(self.layers, pools)):
             x = layer(x, cos, sin, pool, meta)
-        return self.norm(x)
+            if i in capture_layers:
+                captured[i] = x
+        hidden = self.norm(x)
+        if capture_layers:
+            return hidden, [captured[i] for i in capture_layers]
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank."""

@@ -35,8 +35,21 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def drafter_preset_name(target: str, method: str) -> str:
+    """The drafter preset matching a target preset (drafter_presets.py builds them)."""
+    from specray.models.drafter_presets import DRAFTER_SUFFIXES
+
+    return f"{target}-{DRAFTER_SUFFIXES[method]}"
+
+
+def _drafter_presets() -> dict[str, tuple[str, str]]:
+    from specray.models.drafter_presets import DRAFTER_SUFFIXES
+
+    return {drafter_preset_name(t, m): (t, m) for t in PRESETS for m in DRAFTER_SUFFIXES}
+
+
 def is_preset(name: str) -> bool:
-    return name in PRESETS
+    return name in PRESETS or name in _drafter_presets()
 
 
 def cache_root() -> Path:
@@ -88,15 +101,22 @@ def write_checkpoint(directory: Path, cfg: dict, weights: dict[str, torch.Tensor
 
 def materialize(name: str, seed: int = 0) -> Path:
     """The checkpoint directory of preset ``name``, written on first use."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    if not is_preset(name):
+        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)} and their drafters "
+                         f"{sorted(_drafter_presets())}")
     target = cache_root() / "presets" / f"{name}-seed{seed}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        write_checkpoint(tmp, PRESETS[name], random_weights(PRESETS[name], seed))
+        if name in PRESETS:
+            cfg, weights = PRESETS[name], random_weights(PRESETS[name], seed)
+        else:
+            from specray.models.drafter_presets import drafter_preset
+
+            cfg, weights = drafter_preset(*_drafter_presets()[name], seed)
+        write_checkpoint(tmp, cfg, weights)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -112,5 +132,6 @@ def resolve_model(model: str, seed: int = 0) -> Path:
         return materialize(model, seed)
     path = Path(model)
     if not path.is_dir():
-        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
+        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}, or a drafter preset such as "
+                         f"'tiny-llama-draft') nor a checkpoint directory")
     return path

@@ -16,6 +16,7 @@ from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
 from specray.executor.plan import StepPlan
 from specray.executor.sampling import sample
+from specray.executor.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import kv_budget_bytes
@@ -53,6 +54,7 @@ class RankWorker:
         self.geometry: dict[str, PoolGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
 
@@ -106,6 +108,8 @@ class RankWorker:
         for sid, (params, seed) in plan.new_seqs.items():
             gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
             self.samplers[sid] = (params, gen)
+        for sid, (num_blocks, _) in plan.truncated.items():  # rollback of rejected drafts
+            del self.block_tables.setdefault(sid, [])[num_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_blocks):
             self.block_tables.setdefault(sid, []).extend(blocks)
 
@@ -125,8 +129,9 @@ class RankWorker:
                                  context_lens=context_lens, query_lens=query_lens)
         return ids, positions, meta
 
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Run one step; returns the sampled token of every scheduled sequence.
+    def execute(self, plan: StepPlan) -> list[int] | list[list[int]]:
+        """Run one step; returns the sampled token of every scheduled sequence (with a drafter:
+        the list of its new tokens, accepted drafts plus the bonus token).
 
         Every rank runs this on the same plan and must sample the same tokens: checked per
         step in ``check_every_step`` mode, and by a digest at the end of each call."""
@@ -142,8 +147,10 @@ class RankWorker:
         return tokens
 
     @torch.inference_mode()
-    def _forward_and_sample(self, plan: StepPlan) -> list[int]:
+    def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
         self._apply_deltas(plan)
+        if self.spec is not None:
+            return self.spec.execute(plan)
         if not plan.seq_ids:
             return []
         ids, positions, meta = self._metadata(plan)

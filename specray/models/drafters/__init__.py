@@ -1,13 +1,89 @@
-"""Drafters for speculative decoding (built per rank, sharded like the target)."""
+"""Drafters for speculative decoding (built per rank, sharded like the target).
+
+| method        | kind       | KV                         | drafts per forward | module            |
+|---------------|------------|----------------------------|--------------------|-------------------|
+| ``draft_model`` | standalone | own pool, 32/64-token pages | 1 (autoregressive) | draft_model.py    |
+| ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
+| ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+| ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+
+``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
+the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
+
 from specray.comm.context import DistContext
 from specray.config import EngineConfig
+from specray.models.arch import arch_from_hf_config
+from specray.models.loader import CheckpointReader
+from specray.models.presets import drafter_preset_name, is_preset, resolve_model
+
+HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
+
+
+def drafter_checkpoint(config: EngineConfig) -> Path:
+    """The drafter's checkpoint directory: the configured one, or the target preset's match."""
+    spec = config.spec
+    if spec.draft_model is not None:
+        return resolve_model(spec.draft_model, config.seed)
+    if not is_preset(config.model):
+        raise ValueError(f"spec method {spec.method!r} with target checkpoint {config.model!r} needs "
+                         f"spec.draft_model (--draft-model): only preset targets have a built-in drafter")
+    return resolve_model(drafter_preset_name(config.model, spec.method), config.seed)
+
+
+def _head_arch(cfg: dict, path: Path, method: str, target):
+    want = HEAD_ARCHITECTURES[method]
+    if cfg.get("architectures") != [want]:
+        raise ValueError(f"drafter checkpoint {str(path)!r} has architectures {cfg.get('architectures')}, "
+                         f"but spec method {method!r} needs [{want!r}]")
+    arch = arch_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]), source=str(path))
+    t = target.arch
+    if arch.vocab_size != t.vocab_size or arch.hidden_size != t.hidden_size:
+        raise ValueError(f"drafter {str(path)!r} has vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}; "
+                         f"the target has {t.vocab_size}, {t.hidden_size}: they must be equal")
+    bad = [i for i in cfg.get("target_layer_ids", []) if not 0 <= i < t.num_layers]
+    if bad:
+        raise ValueError(f"drafter {str(path)!r}: target_layer_ids {bad} are outside the target's "
+                         f"{t.num_layers} layers")
+    return arch
 
 
 def build_drafter(config: EngineConfig, ctx: DistContext, target):
     """The drafter for ``config.spec.method`` on this rank, or None for plain decoding."""
-    if config.spec.method is None:
+    spec = config.spec
+    if spec.method is None:
         return None
-    raise ValueError(f"spec method {config.spec.method!r} is not available in this build yet")
+    path = drafter_checkpoint(config)
+    if spec.method == "draft_model":
+        from specray.models.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.load(path, ctx, config.dtype, target)
+    cfg = json.loads((path / "config.json").read_text())
+    arch = _head_arch(cfg, path, spec.method, target)
+    dtype = getattr(torch, config.dtype)
+    if spec.method == "dflash":
+        from specray.models.drafters.dflash import DFlashDrafter
+
+        k, block = spec.num_draft_tokens, cfg["block_size"]
+        if k > block - 1:
+            raise ValueError(f"num_draft_tokens ({k}) must be <= block_size - 1 ({block - 1}) of dflash "
+                             f"drafter {str(path)!r}")
+        drafter = DFlashDrafter(arch, target, ctx, dtype, tuple(cfg["target_layer_ids"]), block,
+                                int(cfg["mask_token_id"]))
+    else:
+        from specray.models.drafters.common import FINAL_HIDDEN
+        from specray.models.drafters.hidden_state import HiddenStateDrafter
+
+        layers = tuple(cfg["target_layer_ids"]) if spec.method == "eagle3" else (FINAL_HIDDEN,)
+        drafter = HiddenStateDrafter(arch, target, ctx, dtype, layers)
+    reader = CheckpointReader(path, dtype, ctx.device)
+    drafter.load(reader)
+    reader.close()
+    return drafter.eval()

@@ -1,0 +1,247 @@
+"""Speculative decoding on mid-llama: specray's drafters against plain decoding and against
+transformers' assisted generation on the same draft pair, in one run.
+
+    python -m benchmarks.bench_spec            # --quick (default): a few minutes on 2 cores
+    python -m benchmarks.bench_spec --full     # the whole grid of issue 6 at TP=1
+    python -m benchmarks.bench_spec --plot bench-results/spec.png
+
+Target ``mid-llama`` (156M parameters, float32); drafters ``mid-llama-draft`` (draft_model:
+the target's embedding, first layer and LM head) and ``mid-llama-dflash`` (random-weight
+DFlash head). Every run is greedy with ``ignore_eos``, random prompts of ``--input-len``.
+Rows: tok/s (batch * output_len / wall, prefill included), acceptance length (AL),
+``speedup`` (tok/s over plain decoding at the same batch and TP), ``decode x`` (plain
+TPOT / speculative TPOT: the decode phase only), and the *ideal* decode speedup implied by
+the measured step times:
+
+    ideal = AL * t_plain_step / (t_draft + t_verify)
+
+where t_plain_step is plain decoding's median TPOT, and t_draft and t_verify the mean wall
+times of the drafting and of the target's verify forward per speculative step (timed by
+wrapping rank 0's SpecRunner methods; only at TP=1, where rank 0 runs in this process; unit
+tests never time anything). ``efficiency`` = decode x / ideal: what the step loop loses on
+top of the two forwards (scheduling, rollback, verification, plan traffic).
+
+transformers' assisted generation (``assistant_model``, constant ``num_assistant_tokens``
+= k) runs at batch 1 on the same pair, next to transformers' plain greedy generate.
+
+Forced-acceptance rows fix AL whatever the drafts are, so it measures the
+engine rather than the random-weight drafters; it changes the output tokens (the quick
+grid runs force 3; --full adds 6 where k allows). The machine may be shared: each row is
+the fastest of ``--repeats`` runs, not a controlled measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray.executor import spec_metrics
+from specray.models.presets import materialize
+
+TARGET = "mid-llama"
+VOCAB_SIZE = 32000  # mid-llama's
+DRAFTERS = {"draft_model": "mid-llama-draft", "dflash": "mid-llama-dflash"}
+COLUMNS = [("tp", "tp", "d"), ("method", "method", "s"), ("k", "k", "s"), ("force", "force", "s"), ("batch", "batch", "d"),
+           ("tok_s", "tok/s", ".1f"), ("acceptance_length", "AL", ".2f"), ("speedup", "speedup", ".2f"),
+           ("decode_speedup", "decode x", ".2f"),
+           ("ideal_speedup", "ideal", ".2f"), ("efficiency", "eff", ".2f"), ("draft_ms", "draft ms", ".1f"),
+           ("verify_ms", "verify ms", ".1f"), ("step_ms", "step ms", ".1f")]
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+class StepTimer:
+    """Wraps one rank's SpecRunner._draft and ._score to time them (benchmark only)."""
+
+    def __init__(self, runner):
+        self.draft_s, self.verify_s, self.num_steps = 0.0, 0.0, 0
+        # bound from the class, so a new timer replaces the last one instead of wrapping it
+        draft, score = type(runner)._draft.__get__(runner), type(runner)._score.__get__(runner)
+
+        def timed_draft(plan):
+            start = time.perf_counter()
+            out = draft(plan)
+            self.draft_s += time.perf_counter() - start
+            return out
+
+        def timed_score(plan, inputs):
+            start = time.perf_counter()
+            out = score(plan, inputs)
+            self.verify_s += time.perf_counter() - start
+            self.num_steps += 1
+            return out
+
+        runner._draft, runner._score = timed_draft, timed_score
+
+
+def run_specray(spec: SpecConfig | None, batch: int, tp: int, args) -> dict:
+    cfg = EngineConfig(model=TARGET, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384),
+                       parallel=ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local"),
+                       spec=spec or SpecConfig())
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    with LLM(cfg) as llm:
+        prompts = prompts_for(batch, args.input_len, VOCAB_SIZE)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        # rank 0's runner is in this process only at TP=1 (mp ranks are child processes)
+        runner = getattr(getattr(llm._engine, "worker", None), "spec", None)
+        wall, timer = float("inf"), None
+        for _ in range(args.repeats):  # the fastest run is the one least disturbed by other processes
+            this_timer = StepTimer(runner) if runner is not None else None
+            start = time.perf_counter()
+            these = llm.generate(prompts, params)
+            if time.perf_counter() - start < wall:
+                wall, outs, timer = time.perf_counter() - start, these, this_timer
+    agg = spec_metrics.aggregate([o.metrics for o in outs])
+    row = dict(tp=tp, batch=batch, tok_s=batch * args.output_len / wall, wall_s=wall,
+               tpot_ms=statistics.median(o.metrics["tpot_s"] for o in outs) * 1e3,
+               tokens=[o.token_ids for o in outs], acceptance_length=agg.get("acceptance_length", 1.0),
+               acceptance_per_position=agg.get("acceptance_per_position", []))
+    if spec is None:  # plain: one step per token after the first
+        row["step_ms"] = row["tpot_ms"]
+    if timer is not None and timer.num_steps:
+        row.update(draft_ms=timer.draft_s / timer.num_steps * 1e3, verify_ms=timer.verify_s / timer.num_steps * 1e3,
+                   step_ms=row["tpot_ms"] * row["acceptance_length"])
+    return row
+
+
+def run_transformers(k: int, args) -> dict:
+    """Batch 1: transformers' plain greedy generate and its assisted generation on the same pair."""
+    import transformers
+
+    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        materialize(name), dtype=torch.float32).eval()
+    target, assistant = load(TARGET), load(DRAFTERS["draft_model"])
+    assistant.generation_config.num_assistant_tokens = k
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = torch.tensor(prompts_for(1, args.input_len, target.config.vocab_size))
+    common = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.output_len,
+                  min_new_tokens=args.output_len, pad_token_id=0, temperature=None, top_p=None)
+    out = {}
+    for name, extra in (("hf_plain", {}), ("hf_assisted", {"assistant_model": assistant})):
+        with torch.inference_mode():
+            target.generate(ids, **{**common, "max_new_tokens": 4, "min_new_tokens": 4}, **extra)
+            start = time.perf_counter()
+            tokens = target.generate(ids, **common, **extra)
+            wall = time.perf_counter() - start
+        out[name] = dict(tok_s=args.output_len / wall, wall_s=wall, tokens=tokens[0, ids.shape[1]:].tolist())
+    return out
+
+
+def measure_row(spec: SpecConfig, batch: int, tp: int, base: dict, args) -> dict:
+    r = run_specray(spec, batch, tp, args)
+    force = spec.force_accepted_tokens
+    r.update(method=spec.method, k=str(spec.num_draft_tokens), force="-" if force is None else f"{force:g}",
+             speedup=r["tok_s"] / base["tok_s"], decode_speedup=base["tpot_ms"] / r["tpot_ms"])
+    if force is None:
+        r["lossless"] = r["tokens"] == base["tokens"]
+    if "draft_ms" in r:
+        r["ideal_speedup"] = r["acceptance_length"] * base["step_ms"] / (r["draft_ms"] + r["verify_ms"])
+        r["efficiency"] = r["decode_speedup"] / r["ideal_speedup"]
+    return r
+
+
+def grid(args) -> list[tuple[str, int, float | None, int]]:
+    ks, forces, batches = ((3, 7), (None, 3.0, 6.0), (1, 2, 4, 8)) if args.full else ((3,), (None, 3.0), (1, 4))
+    return [(m, k, f, b) for m in DRAFTERS for k in ks for f in forces if f is None or f <= k + 1 for b in batches]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = " | ".join(h for _, h, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt) if fmt != "s" else str(v))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], plain: dict[int, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    batches = sorted(plain)
+    ax1.plot(batches, [plain[b]["tok_s"] for b in batches], "k-o", label="plain")
+    for key in sorted({(r["method"], r["k"], r["force"]) for r in rows}, key=str):
+        sel = sorted((r for r in rows if (r["method"], r["k"], r["force"]) == key), key=lambda r: r["batch"])
+        ax1.plot([r["batch"] for r in sel], [r["tok_s"] for r in sel], "-o", label=f"{key[0]} k={key[1]} force={key[2]}")
+        if key[2] == "-" and sel[0]["acceptance_per_position"]:
+            rates = sel[0]["acceptance_per_position"]
+            ax2.plot(range(1, len(rates) + 1), rates, "-o", label=f"{key[0]} k={key[1]}")
+    ax1.set(xlabel="batch size", ylabel="tok/s", title=f"{TARGET}: throughput", xscale="log", xticks=batches)
+    ax1.set_xticklabels([str(b) for b in batches])
+    ax2.set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance (batch 1)", ylim=(0, 1))
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true", help="the whole grid (default: --quick)")
+    ap.add_argument("--quick", action="store_true", help="the default: k 3, force none/3, batch 1 and 4")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared 2-core box)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row; the fastest counts")
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes, e.g. 1,2 (TP>1 runs under the mp launcher)")
+    ap.add_argument("--json", type=Path, default=Path("bench-results/spec_mid-llama.json"))
+    ap.add_argument("--plot", type=Path, default=None, help="tok/s vs batch and per-position acceptance (PNG)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configs = grid(args)
+    tps = [int(t) for t in args.tp.split(",")]
+    plains = {(tp, b): run_specray(None, b, tp, args) for tp in tps for b in sorted({c[3] for c in configs})}
+    plain = {b: p for (tp, b), p in plains.items() if tp == tps[0]}
+    rows = []
+    for tp in tps:
+        for method, k, force, batch in configs:
+            spec = SpecConfig(method=method, draft_model=DRAFTERS[method], num_draft_tokens=k,
+                              force_accepted_tokens=force)
+            rows.append(measure_row(spec, batch, tp, plains[tp, batch], args))
+            print(format_table([rows[-1]]).splitlines()[-1], flush=True)
+    hf = run_transformers(min(int(c[1]) for c in configs), args)
+    print(f"\n{args.threads} thread(s) per rank, input {args.input_len}, output {args.output_len}, greedy\n")
+    print("plain: " + ", ".join(f"tp {tp} batch {b}: {p['tok_s']:.1f} tok/s ({p['step_ms']:.1f} ms/step)"
+                                for (tp, b), p in plains.items()))
+    print(format_table(rows))
+    ours = next(r for r in rows if r["method"] == "draft_model" and r["batch"] == 1 and r["force"] == "-"
+                and r["tp"] == tps[0])
+    print(f"\nbatch 1, draft_model k={ours['k']}: specray {ours['tok_s']:.1f} tok/s; transformers assisted "
+          f"{hf['hf_assisted']['tok_s']:.1f} tok/s ({ours['tok_s'] / hf['hf_assisted']['tok_s']:.2f}x, target >= 2x); "
+          f"transformers plain {hf['hf_plain']['tok_s']:.1f} tok/s; same tokens as transformers assisted: "
+          f"{ours['tokens'][0] == hf['hf_assisted']['tokens']}")
+    print("lossless (natural acceptance == plain tokens):", all(r["lossless"] for r in rows if "lossless" in r))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    strip = lambda r: {k: v for k, v in r.items() if k != "tokens"}  # noqa: E731
+    args.json.write_text(json.dumps(dict(
+        target=TARGET, drafters=DRAFTERS, threads=args.threads, input_len=args.input_len, output_len=args.output_len,
+        machine=platform.processor() or platform.machine(), plain=[strip(p) for p in plains.values()],
+        rows=[strip(r) for r in rows], transformers={n: strip(v) for n, v in hf.items()}), indent=2))
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot([r for r in rows if r["tp"] == tps[0]], plain, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Speculative-decoding metrics, per request and aggregated over requests.
+
+- acceptance length (AL): tokens emitted per verify step (accepted drafts + 1 bonus);
+- per-position acceptance rate: for draft position i (1..k), the fraction of verify steps
+  that accepted draft i (so it never increases with i);
+- histogram: how many verify steps accepted 0, 1, ..., k drafts;
+- TTFT and TPOT come from the engine's timestamps; tok/s per request = 1 / median TPOT.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def request_metrics(accepted_counts: list[int], k: int) -> dict:
+    """Metrics of one request from the drafts it accepted at each verify step."""
+    steps = len(accepted_counts)
+    accepted = sum(accepted_counts)
+    return dict(
+        num_verify_steps=steps,
+        num_draft_tokens=steps * k,
+        num_accepted_tokens=accepted,
+        acceptance_length=(accepted + steps) / steps if steps else 0.0,
+        acceptance_per_position=[sum(n >= i for n in accepted_counts) / steps if steps else 0.0
+                                 for i in range(1, k + 1)],
+        acceptance_histogram=[accepted_counts.count(n) for n in range(k + 1)],
+    )
+
+
+def aggregate(metrics: list[dict]) -> dict:
+    """Totals over requests (each a RequestOutput.metrics dict); AL is weighted by verify steps."""
+    out: dict = {"num_requests": len(metrics)}
+    ttfts = [m["ttft_s"] for m in metrics if "ttft_s" in m]
+    tpots = [m["tpot_s"] for m in metrics if m.get("tpot_s")]
+    if ttfts:
+        out["ttft_s_mean"] = statistics.fmean(ttfts)
+    if tpots:
+        out["tpot_s_median"] = statistics.median(tpots)
+        out["tok_per_s_per_request"] = 1.0 / out["tpot_s_median"]
+    spec = [m for m in metrics if "num_verify_steps" in m]
+    if not spec:
+        return out
+    steps = sum(m["num_verify_steps"] for m in spec)
+    accepted = sum(m["num_accepted_tokens"] for m in spec)
+    k = len(spec[0]["acceptance_histogram"]) - 1
+    hist = [sum(m["acceptance_histogram"][n] for m in spec) for n in range(k + 1)]
+    out.update(
+        num_verify_steps=steps,
+        num_draft_tokens=steps * k,
+        num_accepted_tokens=accepted,
+        acceptance_length=(accepted + steps) / steps if steps else 0.0,
+        acceptance_rate=accepted / (steps * k) if steps else 0.0,
+        acceptance_histogram=hist,
+        acceptance_per_position=[sum(hist[i:]) / steps if steps else 0.0 for i in range(1, k + 1)],
+    )
+    return out

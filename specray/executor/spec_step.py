@@ -1,0 +1,154 @@
+"""One speculative step on one rank: draft, verify in one target forward, keep what holds.
+
+Runs on every rank with the same plan, so every rank drafts, verifies and accepts the
+same tokens (same logits, same per-request generators drawn in the same order); only
+the new tokens go back to the coordinator, and its rollback comes back as a plan delta.
+
+For a sequence of L tokens whose target KV covers [0, L - 1) and that drafts this step:
+
+1. the drafter proposes d_1..d_k (``models/drafters``), writing its KV below L + k;
+2. the target scores [t_{L-1}, d_1..d_k] at positions L-1 .. L+k-1 in one forward;
+3. verification (``verify.py``) accepts n drafts and draws a bonus token: the new tokens
+   are d_1..d_n, bonus; the target KV stays valid below L + n (the coordinator frees the
+   pages past it), the drafter's below min(consumed, L + n).
+
+A sequence that (re)computes its prompt runs on the target alone and samples one token.
+The state kept here per sequence is what the drafter needs next step: the tokens, how many
+positions its cache holds, and the target features of positions it has not consumed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.executor.plan import StepPlan
+from specray.executor.sampling import probabilities, sample
+from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted
+from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq, build_metadata
+
+
+class SpecRunner:
+    def __init__(self, worker):
+        self.worker = worker
+        self.drafter = worker.drafter
+        spec = worker.config.spec
+        self.k, self.force = spec.num_draft_tokens, spec.force_accepted_tokens
+        self.draft_tables: dict[int, list[int]] = {}  # standalone drafter's pages, mirrored from the plan
+        self.tokens: dict[int, list[int]] = {}
+        self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
+        self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        for sid in plan.finished:
+            for state in (self.draft_tables, self.tokens, self.consumed, self.features):
+                state.pop(sid, None)
+        for sid in plan.preempted:
+            self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, None
+        for sid, (_, num_draft_blocks) in plan.truncated.items():
+            del self.draft_tables.setdefault(sid, [])[num_draft_blocks:]
+        for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
+            self.draft_tables.setdefault(sid, []).extend(blocks)
+        for sid, start, ids in zip(plan.seq_ids, plan.start_positions, plan.input_ids):
+            self.tokens[sid] = self.tokens.get(sid, [])[:start] + list(ids)
+            self.consumed.setdefault(sid, 0)
+            self.features.setdefault(sid, None)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """New tokens per scheduled sequence: accepted drafts plus the bonus token."""
+        self._apply_deltas(plan)
+        if not plan.seq_ids:
+            return []
+        drafts, draft_probs = self._draft(plan)
+        inputs = [list(ids) + drafts.get(i, []) for i, ids in enumerate(plan.input_ids)]
+        logits, features = self._score(plan, inputs)
+        out, offset, first_row = [], 0, 0
+        for i, sid in enumerate(plan.seq_ids):
+            nd = len(drafts.get(i, []))
+            new = self._verify(sid, logits[offset:offset + nd + 1], drafts.get(i, []), draft_probs.get(i))
+            offset += nd + 1
+            self._keep(i, sid, plan, len(new) - 1, features, first_row)
+            first_row += len(inputs[i])
+            self.tokens[sid].extend(new)
+            out.append(new)
+        return out
+
+    def _draft(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Drafts (and, for sampled requests, the draft distributions) by plan row."""
+        rows = [i for i, n in enumerate(plan.num_drafts) if n]
+        if not rows:
+            return {}, {}
+        w = self.worker
+        sids = [plan.seq_ids[i] for i in rows]
+        if self.drafter.is_standalone:
+            pools, block_size, tables = w.draft_pools, w.geometry["draft"].tokens_per_block, self.draft_tables
+        else:  # one-model: the drafter's layers are the target pool's last ones
+            pools, block_size, tables = w.pools[w.arch.num_layers:], w.geometry["target"].tokens_per_block, w.block_tables
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables[s]) for s in sids]
+        batch = DraftBatch(seqs, self.k, pools, block_size, w.ctx.device)
+        probs: dict[int, list[torch.Tensor]] = {}
+
+        def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
+            tokens = logits.argmax(-1)
+            for r, sid in enumerate(sids):
+                params, gen = w.samplers[sid]
+                if not params.is_greedy:
+                    p = probabilities(logits[r], params)
+                    probs.setdefault(rows[r], []).append(p)
+                    tokens[r] = torch.multinomial(p, 1, generator=gen)[0]
+            return tokens
+
+        proposed = self.drafter.propose(batch, choose).tolist()
+        for sid, seq in zip(sids, seqs):
+            length = len(seq.tokens)
+            self.consumed[sid] = length + self.k - 1 if self.drafter.reuses_draft_kv else length - 1
+            self.features[sid] = None
+        return dict(zip(rows, proposed)), {i: torch.stack(p) for i, p in probs.items()}
+
+    def _score(self, plan: StepPlan, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits at every verified position, and its features at every row."""
+        w = self.worker
+        dev, lens = w.ctx.device, [len(x) for x in inputs]
+        tables = [w.block_tables[sid] for sid in plan.seq_ids]
+        positions, meta = build_metadata(tables, w.geometry["target"].tokens_per_block, plan.start_positions,
+                                         lens, dev)
+        ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64, device=dev)
+        layers = self.drafter.feature_layers
+        capture = tuple(i for i in layers if i != FINAL_HIDDEN)
+        hidden = w.model(ids, positions, w.pools, meta, capture_layers=capture)
+        features = None
+        if capture:
+            hidden, captured = hidden
+            by_layer = dict(zip(capture, captured))
+            features = torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
+        elif layers:
+            features = hidden
+        ends = torch.tensor(lens).cumsum(0).tolist()
+        scored = [r for end, n in zip(ends, plan.num_drafts or [0] * len(lens)) for r in range(end - n - 1, end)]
+        return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
+
+    def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
+        params, gen = self.worker.samplers[sid]
+        if not drafts:
+            return [sample(logits[0], params, gen)]
+        if self.force is not None:  # benchmarking: accept a forced number whatever the drafts are
+            n = forced_num_emitted(self.force, len(drafts), gen) - 1
+            return drafts[:n] + [sample(logits[n], params, gen)]
+        if params.is_greedy:
+            argmax = logits.argmax(-1).tolist()
+            n = accept_greedy(argmax, drafts)
+            return drafts[:n] + [argmax[n]]
+        n, bonus = accept_rejection(probabilities(logits, params), q, drafts, gen)
+        return drafts[:n] + [bonus]
+
+    def _keep(self, row: int, sid: int, plan: StepPlan, num_accepted: int, features: torch.Tensor | None,
+              first: int) -> None:
+        """Roll the drafter's state back to what the target verified (``first``: the sequence's first row)."""
+        start = plan.start_positions[row]
+        verified = start + len(plan.input_ids[row]) + num_accepted
+        self.consumed[sid] = min(self.consumed[sid], verified)
+        if features is None:
+            return
+        fresh = features[first:first + verified - start]
+        old = self.features[sid]
+        self.features[sid] = fresh if old is None else torch.cat([old, fresh])

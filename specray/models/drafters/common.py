@@ -1,0 +1,91 @@
+"""What every drafter shares: the batch it drafts for, attention metadata for arbitrary
+positions, the replicated small projections, and the drafter contract.
+
+A drafter is built on every rank and sharded like the target (its decoder layers take
+``ctx.tp``). Each step, before the target verifies, the runner calls
+``drafter.propose(batch, choose)``:
+
+- ``batch.seqs[i].tokens`` are sequence i's tokens (length L; token L-1 is fed to the
+  target in this step), ``num_consumed`` how many positions the drafter has already cached,
+  ``features`` the target features of positions ``[num_consumed, L - 1)`` (concatenated
+  over ``feature_layers``) for drafters conditioned on the target;
+- the drafter writes its KV into ``batch.pools`` through ``batch.block_tables`` (its own
+  pool for a standalone drafter, the target's pool and block tables for a one-model one),
+  only at positions below ``L + k``: the scheduler allocated exactly those pages;
+- ``choose(logits [S, V], j)`` turns round j's logits into draft tokens ([S]) and records
+  what rejection sampling needs; ``propose`` returns the drafts [S, k].
+
+After verification the runner keeps the drafter's cache valid for positions below
+``min(consumed, verified)``, where ``consumed = L + k - 1`` for drafters whose KV of an
+accepted draft equals the KV of the real token (``reuses_draft_kv``) and ``L - 1`` for
+drafters whose speculative positions carry their own features or mask tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specray.models.attention import AttentionMetadata
+
+FINAL_HIDDEN = -1  # in ``feature_layers``: the target's output after its final norm
+
+Choose = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(slots=True)
+class DraftSeq:
+    tokens: list[int]
+    num_consumed: int
+    features: torch.Tensor | None  # [L - 1 - num_consumed, F] or None
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class DraftBatch:
+    seqs: list[DraftSeq]
+    k: int
+    pools: list[torch.Tensor]  # the drafter's layers, in order
+    block_size: int
+    device: torch.device
+
+
+def build_metadata(tables: list[list[int]], block_size: int, starts: list[int], query_lens: list[int],
+                   device: torch.device, *, causal: bool = True,
+                   context_lens: list[int] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(positions, metadata) for ``query_lens[i]`` new tokens of sequence i at positions
+    ``starts[i] ...``; keys visible up to ``context_lens[i]`` (default: the last new token)."""
+    width = max(1, max(len(t) for t in tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, query_lens)]).to(device)
+    rows = torch.repeat_interleave(torch.arange(len(tables), device=device),
+                                   torch.tensor(query_lens, device=device))
+    slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    ends = context_lens if context_lens is not None else [p + n for p, n in zip(starts, query_lens)]
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
+                             context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
+                             query_lens=list(query_lens), causal=causal)
+    return positions, meta
+
+
+def last_rows(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Index of each sequence's last row in a flattened batch."""
+    return torch.tensor(query_lens, device=device).cumsum(0) - 1
+
+
+class ReplicatedLinear(nn.Module):
+    """A small projection every rank holds whole (fusing features is cheap next to the
+    decoder layer, and replicating it keeps the drafter's collectives to its layer's)."""
+
+    def __init__(self, in_size: int, out_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+    def load(self, reader, name: str) -> None:
+        self.weight.copy_(reader.read(name))

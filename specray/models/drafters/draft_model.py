@@ -1,0 +1,62 @@
+"""``draft_model``: a small causal LM with the target's vocabulary, drafting autoregressively.
+
+Standalone: its KV lives in its own pool (page size agreed separately, 32 or 64 tokens, the
+block-decode kernel's capability). Each step it first catches up on the tokens it has not
+cached (the tokens accepted in the last step and the bonus token, or the whole sequence
+after a (re)computed prompt), which yields draft 1, then feeds each draft to get the next.
+The KV of an accepted draft is exactly the KV of that token, so it is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specray.comm.context import DistContext
+from specray.kv.geometry import KVLayout
+from specray.models.arch import read_arch
+from specray.models.loader import CheckpointReader
+from specray.models.block_attention import block_decode_attention
+from specray.models.decoder import CausalLM
+from specray.models.drafters.common import Choose, DraftBatch, build_metadata, last_rows
+
+
+class DraftModelDrafter(nn.Module):
+    is_standalone = True
+    reuses_draft_kv = True
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+        self.kv_layout = KVLayout(model.arch.num_layers, model.num_local_kv_heads, model.arch.head_dim)
+
+    @classmethod
+    def load(cls, path, ctx: DistContext, dtype: str, target: CausalLM) -> DraftModelDrafter:
+        arch = read_arch(path)
+        if arch.vocab_size != target.arch.vocab_size:
+            raise ValueError(f"draft model {str(path)!r} has vocab_size {arch.vocab_size} but the target has "
+                             f"{target.arch.vocab_size}; a draft model must share the target's vocabulary")
+        model = CausalLM(arch, ctx, getattr(torch, dtype), kernel=block_decode_attention)
+        reader = CheckpointReader(path, getattr(torch, dtype), ctx.device)
+        model.load(reader)
+        reader.close()
+        return cls(model.eval())
+
+    def _forward(self, batch: DraftBatch, ids: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
+        tables = [s.block_table for s in batch.seqs]
+        positions, meta = build_metadata(tables, batch.block_size, starts, lens, batch.device)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=batch.device)
+        hidden = self.model(ids_t, positions, batch.pools, meta)
+        return self.model.logits(hidden[last_rows(lens, batch.device)])
+
+    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
+        seqs = batch.seqs
+        starts = [s.num_consumed for s in seqs]
+        lens = [len(s.tokens) - s.num_consumed for s in seqs]
+        ids = [t for s in seqs for t in s.tokens[s.num_consumed:]]
+        drafts = [choose(self._forward(batch, ids, starts, lens), 0)]
+        for j in range(1, batch.k):
+            starts = [len(s.tokens) - 1 + j for s in seqs]
+            drafts.append(choose(self._forward(batch, drafts[-1].tolist(), starts, [1] * len(seqs)), j))
+        return torch.stack(drafts, dim=1)
