@@ -5,9 +5,9 @@
 
 1. Collectives: for each world size, spawns that many processes (gloo over loopback, FileStore
    rendezvous) and times float32 all-reduces of each size through gloo, the one-shot path
-   (slots as large as the largest size) and the ``auto`` reducer, taking turns call by call.
-   Every call is timed on every rank; a row reports the median per-call latency on rank 0
-   and the slowest rank's mean.
+   (slots as large as the largest size) and the ``auto`` reducer, in blocks of back-to-back
+   calls, the paths taking turns block by block. A row reports the median per-call time of a
+   block on rank 0 and the slowest rank's mean.
 2. Decoding: ``mid-llama`` batch-1 greedy decoding at TP=1 (local), TP=2 with
    ``allreduce="torch"`` and TP=2 with ``allreduce="one_shot"`` (mp launcher); median TPOT.
 
@@ -38,24 +38,28 @@ WORLDS = (2, 4)
 TIMEOUT_S = 120.0
 
 
-def _iterations(nbytes: int) -> int:
-    return 100 if nbytes <= 64 << 10 else 40 if nbytes <= 1 << 20 else 12
+def _schedule(nbytes: int) -> tuple[int, int]:
+    """(rounds, calls per block) for a message size: about a second per world and size."""
+    return (20, 10) if nbytes <= 64 << 10 else (10, 4) if nbytes <= 1 << 20 else (5, 2)
 
 
-def _time_interleaved(paths: dict, x0: torch.Tensor, iters: int, group: TorchGroup) -> dict[str, list[float]]:
-    """Per-call times of every path, taking turns call by call: on a shared machine whose load
-    changes from second to second, every path then sees the same conditions. An untimed barrier
-    before each call lines the ranks up, so no call pays for the skew the previous one left."""
+def _time_interleaved(paths: dict, x0: torch.Tensor, nbytes: int, group: TorchGroup) -> dict[str, list[float]]:
+    """Per-call time of each block of back-to-back calls (block time / calls), the paths taking
+    turns block by block: on a shared machine whose load changes from second to second, every
+    path then sees the same conditions. Back-to-back calls are what a decoder makes; the untimed
+    barrier before each block keeps one path's skew between ranks out of the next one's time."""
+    rounds, block = _schedule(nbytes)
     x = x0.clone()
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for i in range(iters + 3):  # the first 3 rounds warm up: page faults, gloo buffers
+    for i in range(rounds + 1):  # round 0 warms up: page faults, gloo buffers
         for name, reduce in paths.items():
-            x.copy_(x0)  # fresh input each call: repeated in-place sums would overflow
+            x.copy_(x0)  # fresh input per block: block-many in-place sums stay far from overflow
             group.barrier()
             t0 = time.perf_counter()
-            reduce(x)
-            if i >= 3:
-                times[name].append(time.perf_counter() - t0)
+            for _ in range(block):
+                reduce(x)
+            if i > 0:
+                times[name].append((time.perf_counter() - t0) / block)
     return times
 
 
@@ -71,10 +75,11 @@ def _rank_main(rank: int, world: int, store_path: str, sizes: list[int], queue) 
     rows = []
     for nbytes in sizes:
         x0 = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
-        for name, times in _time_interleaved(paths, x0, _iterations(nbytes), group).items():
+        for name, times in _time_interleaved(paths, x0, nbytes, group).items():
             means = group.all_gather_object(sum(times) / len(times))
             rows.append(dict(world=world, bytes=nbytes, path=name, median_us=statistics.median(times) * 1e6,
-                             slowest_rank_mean_us=max(means) * 1e6, iterations=len(times)))
+                             slowest_rank_mean_us=max(means) * 1e6, blocks=len(times),
+                             calls_per_block=_schedule(nbytes)[1]))
     group.barrier()
     one_shot.close()
     if auto is not None:
