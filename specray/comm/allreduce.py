@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 
 AUTO_THRESHOLD_BYTES = 1 << 20
 """Largest message ``auto`` sends one-shot. On the two-core CI machine (loaded by other jobs),
-benchmarks/bench_allreduce.py measured back-to-back float32 all-reduces, world 2 / world 4:
-one-shot 57x / 26x faster than gloo at 4 KB, 37x / 19x at 64 KB, 7x / 3x at 1 MB, and only
-1.7x / 1.2x at 16 MB (each rank adds every slot, so its work grows with the group; gloo's does
-not), with runs where 16 MB lost. 1 MB keeps the sizes that won in every run since the slot
-views are cached; it covers decode and verify messages (tokens x hidden x 4 bytes: 256 tokens
-of a 1024-wide model) for 2 halves x group size x 1 MB of /dev/shm per group, and leaves
-prefill-sized messages to gloo."""
+benchmarks/bench_allreduce.py measured back-to-back float32 all-reduces in three runs, one-shot
+against gloo, world 2 / world 4: 6-68x / 21-32x faster at 4 KB, 6-37x / 19-28x at 64 KB,
+1.6-7x / 3.2x at 1 MB, but only 1.4-1.8x / 1.0-1.2x at 16 MB (each rank adds every slot, so
+its work grows with the group; gloo's does not), and call-by-call runs where 16 MB lost.
+1 MB keeps the sizes that won in every run since the slot views are cached; it covers decode
+and verify messages (tokens x hidden x 4 bytes: 256 tokens of a 1024-wide model) for 2 halves
+x group size x 1 MB of /dev/shm per group, and leaves prefill-sized messages to gloo."""
 ONE_SHOT_SLOT_BYTES = 4 << 20
 """Slot size when one_shot is forced: messages up to 4 MB, for 2 x group size x 4 MB of /dev/shm
 per group (32 MB for a tp group of 4: well inside Docker's default 64 MB /dev/shm even with the
