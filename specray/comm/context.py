@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specray.comm.allreduce import attach_reducers
 from specray.comm.group import SINGLE, Group, TorchGroup, partition_groups
 from specray.comm.rendezvous import Rendezvous, join_store, new_job_id
 from specray.config import ParallelConfig
@@ -107,6 +108,7 @@ class DistContext:
         ctx.node_of_rank = node_ids(ctx.cpu.all_gather_object(rdzv.node_key))
         ctx.node_id = ctx.node_of_rank[rdzv.rank]
         ctx.job_id = ctx.cpu.broadcast_object(rdzv.job_id or new_job_id())
+        attach_reducers(ctx, parallel.allreduce)  # one-shot all-reduce where selection allows it
         remote = tuple(r for r in ranks if ctx.node_of_rank[r] != ctx.node_of_rank[0])
         ctx.control = partition_groups([(0, *remote)] + [(r,) for r in ranks if r and r not in remote],
                                        rdzv.rank, "gloo", timeout_s)

@@ -1,0 +1,122 @@
+"""Which all-reduce a group runs: the one-shot shared-memory path or torch.distributed.
+
+``ParallelConfig.allreduce``:
+
+- ``"torch"``: torch.distributed (gloo on CPU, NCCL on CUDA) for everything.
+- ``"auto"``: one-shot for messages of at most ``AUTO_THRESHOLD_BYTES`` on a group whose ranks
+  all sit on one node; torch.distributed for larger messages and for groups across nodes.
+- ``"one_shot"``: one-shot for every message that fits its buffer (``ONE_SHOT_SLOT_BYTES``),
+  still torch.distributed for larger messages and for groups across nodes (shared memory does
+  not reach another node); a failed segment set-up is an error here, where ``auto`` falls back.
+
+Under both modes, CUDA groups (no GPU path is built), non-x86-64 hosts (see one_shot.py on
+memory ordering), CUDA tensors and dtypes other than float32 / bfloat16 / float16 go to
+torch.distributed. The route of a call depends only on the message's size, dtype and device,
+which agree on every rank, so all ranks of a group always take the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from specray.comm.group import TorchGroup
+from specray.comm.one_shot import OneShotAllReduce, OneShotUnavailable, is_supported_platform
+from specray.config import ALLREDUCE_MODES
+
+if TYPE_CHECKING:
+    from specray.comm.context import DistContext
+
+log = logging.getLogger(__name__)
+
+AUTO_THRESHOLD_BYTES = 1 << 20
+"""Largest message ``auto`` sends one-shot. On the two-core CI machine (loaded by other jobs),
+benchmarks/bench_allreduce.py measured back-to-back float32 all-reduces in three runs, one-shot
+against gloo, world 2 / world 4: 6-68x / 21-32x faster at 4 KB, 6-37x / 19-28x at 64 KB,
+1.6-7x / 3.2x at 1 MB, but only 1.4-1.8x / 1.0-1.2x at 16 MB (each rank adds every slot, so
+its work grows with the group; gloo's does not), and call-by-call runs where 16 MB lost.
+1 MB keeps the sizes that won in every run since the slot views are cached; it covers decode
+and verify messages (tokens x hidden x 4 bytes: 256 tokens of a 1024-wide model) for 2 halves
+x group size x 1 MB of /dev/shm per group, and leaves prefill-sized messages to gloo."""
+ONE_SHOT_SLOT_BYTES = 4 << 20
+"""Slot size when one_shot is forced: messages up to 4 MB, for 2 x group size x 4 MB of /dev/shm
+per group (32 MB for a tp group of 4: well inside Docker's default 64 MB /dev/shm even with the
+MoE groups; a /dev/shm too small fails set-up with an error naming the size)."""
+
+
+class SelectedAllReduce:
+    """A TorchGroup reducer: one-shot for the messages it may take, torch.distributed otherwise."""
+
+    def __init__(self, one_shot: OneShotAllReduce, limit_bytes: int, pg: dist.ProcessGroup):
+        self.one_shot = one_shot
+        self.limit_bytes = min(limit_bytes, one_shot.slot_bytes)
+        self.pg = pg
+
+    def route(self, x: torch.Tensor) -> str:
+        """'one_shot' or 'torch': the path __call__ takes for x (the same on every rank)."""
+        fits = self.one_shot.fits(x) and x.numel() * x.element_size() <= self.limit_bytes
+        return "one_shot" if fits else "torch"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.route(x) == "one_shot":
+            return self.one_shot.reduce(x)
+        dist.all_reduce(x, group=self.pg)
+        return x
+
+    def close(self) -> None:
+        self.one_shot.close()
+
+
+def attach_reducers(ctx: DistContext, mode: str) -> None:
+    """Set ``reducer`` on each of ctx's tensor groups (tp, moe_tp, moe_ep; each group once).
+
+    Collective: every rank calls it once its groups and ``node_of_rank`` exist. Every rank
+    visits the groups in the same order and each make_reducer talks only inside its group,
+    so the disjoint moe_tp (or moe_ep) groups set up side by side without waiting on each
+    other. Closing a group drops its reducer, which unmaps the segment."""
+    seen: set[int] = set()
+    for group in (ctx.tp, ctx.moe_tp, ctx.moe_ep):
+        if isinstance(group, TorchGroup) and id(group) not in seen:
+            seen.add(id(group))
+            group.reducer = make_reducer(group, [ctx.node_of_rank[r] for r in group.ranks], mode, ctx.timeout_s,
+                                         job_id=ctx.job_id)
+
+
+def make_reducer(group: TorchGroup, node_ids: Sequence[int], mode: str, timeout_s: float, *,
+                 threshold_bytes: int | None = None, slot_bytes: int | None = None,
+                 job_id: str = "") -> SelectedAllReduce | None:
+    """The reducer for ``group.reducer``, or None where torch.distributed does everything.
+
+    Collective over the group when it returns a reducer: every member calls it with the same
+    ``node_ids`` (the node of each rank in ``group.ranks`` order) and mode, in the same order
+    as its other collectives. ``threshold_bytes`` / ``slot_bytes`` override the defaults
+    (tests, benchmarks); ``job_id`` goes into the segment's name (``specray-<job>-ar-...``).
+    """
+    if mode not in ALLREDUCE_MODES:
+        raise ValueError(f"allreduce {mode!r} must be one of {ALLREDUCE_MODES}")
+    if len(node_ids) != group.size:
+        raise ValueError(f"node_ids has {len(node_ids)} entries, but the group has {group.size} ranks "
+                         f"{group.ranks}: give the node of each rank in group order")
+    if mode == "torch" or group.size == 1:
+        return None
+    if len(set(node_ids)) > 1 or group.backend != "gloo" or not is_supported_platform():
+        log.info("all-reduce over ranks %s uses torch.distributed: nodes %s, backend %s, machine supported: %s",
+                 group.ranks, list(node_ids), group.backend, is_supported_platform())
+        return None
+    limit = AUTO_THRESHOLD_BYTES if threshold_bytes is None else threshold_bytes
+    if slot_bytes is None:
+        slot_bytes = limit if mode == "auto" else max(limit, ONE_SHOT_SLOT_BYTES)
+    if mode == "one_shot":
+        limit = slot_bytes
+    try:
+        one_shot = OneShotAllReduce(group, slot_bytes, timeout_s, job_id=job_id)
+    except OneShotUnavailable as e:
+        if mode == "one_shot":
+            raise
+        log.warning("one-shot all-reduce over ranks %s unavailable, using torch.distributed: %s", group.ranks, e)
+        return None
+    return SelectedAllReduce(one_shot, limit, group.pg)

@@ -1,0 +1,133 @@
+"""One-shot all-reduce lifetime and safety: no segment outlives its group (normal close, an
+exception, a killed rank), a dead rank is named in a timeout, the segment is private to the user."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specray.comm import one_shot
+from specray.comm.allreduce import make_reducer
+from specray.comm.group import TorchGroup
+from test_one_shot import join_world, spawn_ranks  # tests/ is on sys.path (no __init__.py)
+
+
+def my_segments() -> list[str]:
+    """Segment names this process created that still exist (the name carries the creator's pid)."""
+    return [f for f in os.listdir(one_shot.SHM_DIR) if f.startswith(f"{one_shot.NAME_PREFIX}{os.getpid()}-")]
+
+
+def _cannot_map(path: str, size: int):
+    raise OSError("injected failure")
+
+
+def _failed_setup(rank: int, group: TorchGroup) -> dict:
+    """Rank 1 cannot map the segment: every rank falls back (auto) or raises (one_shot) together."""
+    real_open = one_shot._open_and_map
+    if rank == 1:
+        one_shot._open_and_map = _cannot_map
+    try:
+        auto = make_reducer(group, [0] * group.size, "auto", 30.0)
+        try:
+            make_reducer(group, [0] * group.size, "one_shot", 30.0)
+            forced_error = None
+        except one_shot.OneShotUnavailable as e:
+            forced_error = str(e)
+    finally:
+        one_shot._open_and_map = real_open
+    return dict(auto=auto, forced_error=forced_error, leftover=my_segments())
+
+
+def _lifetime_body(rank: int, world: int, store_path: str, queue) -> None:
+    group = join_world(rank, world, store_path)
+    queue.put((rank, "setup_failure", _failed_setup(rank, group)))
+
+    reducer = make_reducer(group, [0] * world, "auto", 30.0)
+    group.barrier()  # the creator unlinks the name before its make_reducer returns
+    name_gone_while_in_use = not os.path.exists(reducer.one_shot.path)
+    x = reducer(torch.full((5,), float(rank + 1)))
+    reducer.close()
+    queue.put((rank, "normal", dict(name_gone=name_gone_while_in_use, sum=x.tolist(), leftover=my_segments())))
+    try:
+        reducer(torch.ones(5))
+    except RuntimeError as e:
+        queue.put((rank, "after_close", str(e)))
+
+    reducer = make_reducer(group, [0] * world, "auto", timeout_s=3.0)
+    reducer(torch.ones(5))
+    group.barrier()
+    if rank == 0:
+        queue.put((rank, "pid", os.getpid()))
+        queue.close()
+        queue.join_thread()  # flush what this rank reported before it dies
+        os.kill(os.getpid(), signal.SIGKILL)  # the creator of the segment dies mid-job
+    errors = []
+    for _ in range(2):
+        try:
+            reducer(torch.ones(5))
+        except (TimeoutError, RuntimeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    queue.put((rank, "dead_rank", errors))
+    raise RuntimeError("leaving with a live reducer, as a failing rank would")
+
+
+def test_no_segment_left_after_close_exception_or_killed_rank_and_dead_rank_named(tmp_path):
+    messages, exitcodes = spawn_ranks(3, _lifetime_body, tmp_path, timeout_s=90.0)
+    got = {(rank, kind): value for rank, kind, value in messages}
+    assert exitcodes == [-signal.SIGKILL, 1, 1]
+    for rank in range(3):
+        failure = got[(rank, "setup_failure")]
+        assert failure["auto"] is None, "auto falls back to torch when a rank cannot map the segment"
+        assert "rank 1 cannot map" in failure["forced_error"] and "injected failure" in failure["forced_error"]
+        assert failure["leftover"] == []
+        normal = got[(rank, "normal")]
+        assert normal["name_gone"], "the segment's name is unlinked as soon as every rank mapped it"
+        assert normal["sum"] == [6.0] * 5 and normal["leftover"] == []
+        assert "is closed" in got[(rank, "after_close")]
+    for rank in (1, 2):
+        timeout, again = got[(rank, "dead_rank")]
+        assert timeout.startswith("TimeoutError: ranks [0] did not arrive"), timeout
+        assert again.startswith("RuntimeError:") and "failed earlier" in again
+        assert "leaving with a live reducer" in got[(rank, "error")]
+    creator_prefix = f"{one_shot.NAME_PREFIX}{got[(0, 'pid')]}-"
+    assert not [f for f in os.listdir(one_shot.SHM_DIR) if f.startswith(creator_prefix)]
+
+
+def test_segment_is_created_exclusively_with_mode_0600_whatever_the_umask(tmp_path):
+    path = str(tmp_path / "segment")
+    old_umask = os.umask(0)
+    try:
+        one_shot._create(path, 3 * 4096)
+        with pytest.raises(FileExistsError):
+            one_shot._create(path, 4096)  # O_EXCL: never adopt a file someone else made
+    finally:
+        os.umask(old_umask)
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 3 * 4096 and st.st_uid == os.getuid()
+
+
+def test_ranks_refuse_to_map_a_segment_other_users_could_read(tmp_path):
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(4096))
+    path.chmod(0o644)
+    with pytest.raises(PermissionError, match="mode 644"):
+        one_shot._open_and_map(str(path), 4096)
+    path.chmod(0o600)
+    one_shot._open_and_map(str(path), 4096).close()
+
+
+def test_bad_selection_arguments_are_rejected_before_any_collective():
+    group = SimpleNamespace(size=2, ranks=(0, 1), rank_in_group=0, backend="gloo")
+    with pytest.raises(ValueError, match="allreduce 'fast' must be one of"):
+        make_reducer(group, [0, 0], "fast", 30.0)
+    with pytest.raises(ValueError, match="node_ids has 3 entries, but the group has 2 ranks"):
+        make_reducer(group, [0, 0, 0], "auto", 30.0)
+    assert make_reducer(group, [0, 1], "one_shot", 30.0) is None, "a group across nodes uses torch"
+    assert make_reducer(SimpleNamespace(**{**vars(group), "backend": "nccl"}), [0, 0], "auto", 30.0) is None
+    with pytest.raises(ValueError, match="group of 2 to 64 ranks"):
+        one_shot.OneShotAllReduce(SimpleNamespace(size=1, ranks=(0,), rank_in_group=0), 4096, 30.0)
