@@ -127,7 +127,7 @@ def bench_gloo(plan: StepPlan, rounds: int) -> float:
     return statistics.median(times[rounds // 10:]) / 2
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2000)
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--tp1-threads", type=int, default=None,
                         help="intra-op threads of the TP=1 run (default: torch's, all cores); on a host shared "
                              "with other work, 1 avoids the OpenMP spin-wait collapse of an oversubscribed CPU")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tp1_threads:
         torch.set_num_threads(args.tp1_threads)
 
