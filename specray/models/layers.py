@@ -29,6 +29,27 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+# On CPU, BLAS re-packs the whole weight on every GEMM call, which doubles the memory
+# traffic of a decode step once a matmul has a few rows (batched decode, k + 1 verify
+# rows). Linear layers therefore also keep a oneDNN copy packed once at load time and use
+# it from PACKED_MIN_ROWS rows up; below that the dense weight's GEMV path is as fast.
+# Measured on the 2-core CPU box, 1024 x 5632 float32: 8 rows 2.15 -> 1.06 ms, 1 row 0.62 -> 0.66 ms.
+PACKED_MIN_ROWS = 4
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a float32 CPU weight, or None where that does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    if packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def _split(total: int, parts: int, index: int) -> tuple[int, int]:
     size = total // parts
     return index * size, (index + 1) * size
@@ -78,9 +99,13 @@ class ColumnParallelLinear(nn.Module):
         self.out_sizes = [s // group.size for s in out_sizes]
         self.weight = _empty(sum(self.out_sizes), in_size, dtype=dtype, device=device)
         self.bias = _empty(sum(self.out_sizes), dtype=dtype, device=device) if bias else None
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
 
     def load(self, reader, names: list[str]) -> None:
         """One checkpoint tensor per merged part, each split by rows."""
@@ -130,9 +155,13 @@ class RowParallelLinear(nn.Module):
         self.in_shard = in_size // group.size
         self.weight = _empty(out_size, self.in_shard, dtype=dtype, device=device)
         self.bias = _empty(out_size, dtype=dtype, device=device) if bias else None
+        self.packed = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight, None, self.packed))
         return y + self.bias if self.bias is not None else y
 
     def load(self, reader, name: str) -> None:
@@ -171,6 +200,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the local vocab shard, gathered so every rank holds the full row."""
 
+    packed = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed)
         return self.group.all_gather(logits, dim=-1)[:, : self.vocab_size]

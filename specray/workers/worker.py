@@ -40,6 +40,9 @@ def load_model(path, ctx: DistContext, dtype: str) -> CausalLM:
     reader = CheckpointReader(path, torch_dtype, ctx.device)
     model.load(reader)
     reader.close()
+    for module in model.modules():
+        if hasattr(module, "pack"):
+            module.pack()  # after loading (and tying): the packed copies follow the loaded weights
     return model.eval()
 
 
