@@ -9,7 +9,6 @@ for token (see test_ranks_mp.py for why exact).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -26,9 +25,6 @@ from specray.launch.ray_placement import check_user_group, cuda_ordinal, order_r
 from test_ranks_mp import single_rank_tokens
 
 SCENARIOS = Path(__file__).with_name("ray_cluster_scenarios.py")
-# The one-shot all-reduce (comm/one_shot.py) comes from its own issue; without it every group
-# reduces with torch.distributed, and the placement checks below still hold.
-HAS_ONE_SHOT = importlib.util.find_spec("specray.comm.one_shot") is not None
 RAY_ENV = dict(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
 
 
@@ -142,8 +138,7 @@ def test_two_node_cluster_placement_failures_and_cleanup(cluster_report):
     assert [h["plan_transport"] for h in health] == ["shm+cpu-group", "shm", "cpu-group", "cpu-group"]
     # All-reduce: one-shot only in groups inside one node, i.e. the expert groups (0, 1) and (2, 3);
     # tp (all four) and the expert-parallel groups (0, 2), (1, 3) span both nodes: torch.distributed.
-    inside = "one_shot" if HAS_ONE_SHOT else "torch"
-    assert [h["allreduce"] for h in health] == [dict(tp="torch", moe_tp=inside, moe_ep="torch")] * 4
+    assert [h["allreduce"] for h in health] == [dict(tp="torch", moe_tp="one_shot", moe_ep="torch")] * 4
     # A hung rank (SIGSTOP) is named within failure_timeout_s by the driver's pings.
     assert packed["error_type"] == "RankFailure" and packed["error_ranks"] == [3], packed["error"]
     assert f"rank 3 (pid {health[3]['pid']}) on node 1 (Ray node {worker[:8]} at 127.0.0.1) died (no answer" \
