@@ -16,13 +16,13 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+from faults import fail_mid_call
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.shm import leftover_segments
 
@@ -59,25 +59,11 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
-def fail_mid_call(llm, rank: int, sig: int) -> dict:
-    """Send ``sig`` to ``rank``'s process one second into a long call; what generate raised, and when."""
-    result: dict = {}
-
-    def call() -> None:
-        try:
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=900, ignore_eos=True))
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(1.0)
-    hit_at = time.monotonic()
-    os.kill(llm._engine.pids[rank], sig)
-    thread.join(3 * FAILURE_TIMEOUT_S)
-    error = result.get("error")
+def hit_mid_call(llm, rank: int, sig: int) -> dict:
+    """What generate raised when ``rank`` got ``sig`` mid-call, as JSON-able data."""
+    error, after_s = fail_mid_call(llm, rank, sig, join_s=3 * FAILURE_TIMEOUT_S)
     return dict(error_type=type(error).__name__, error=str(error), error_ranks=getattr(error, "ranks", None),
-                error_after_s=time.monotonic() - hit_at, health_after=llm.health())
+                error_after_s=after_s, health_after=llm.health())
 
 
 def unsatisfiable(llama: str) -> dict:
@@ -114,7 +100,7 @@ def killed_rank(llama: str) -> dict:
     llm = LLM(config(llama, tp_size=2, launcher="auto", placement_group=pg))
     engine = llm._engine
     out = dict(health=llm.health(), bundle_nodes=placement_group_table(pg)["bundles_to_node_id"],
-               **fail_mid_call(llm, 1, signal.SIGKILL))
+               **hit_mid_call(llm, 1, signal.SIGKILL))
     llm.close()
     out.update(leftovers(engine, pg))
     remove_placement_group(pg)
@@ -128,7 +114,7 @@ def two_plus_two(moe: str) -> dict:
     engine, pg = llm._engine, llm._engine._pg
     try:
         out = dict(tokens=[o.token_ids for o in llm.generate(PROMPTS, GREEDY)], health=llm.health(),
-                   **fail_mid_call(llm, 3, signal.SIGSTOP))
+                   **hit_mid_call(llm, 3, signal.SIGSTOP))
     finally:
         llm.close()
     return dict(out, **leftovers(engine, pg))

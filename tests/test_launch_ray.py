@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from specray import LLM, SamplingParams
+from faults import fail_mid_call
+from specray import LLM
 from specray.comm.shm import leftover_segments
 from specray.launch.procs import RankFailure
 from test_ranks_mp import GREEDY, PROMPTS, config, single_rank_tokens
@@ -58,25 +58,10 @@ def test_ray_killed_follower_fails_generate_naming_the_rank(ray_cluster, tiny_ch
     timeout_s = 10.0
     llm = LLM(config(tiny_checkpoints("llama"), tp=2, launcher="ray", timeout_s=timeout_s))
     engine, pg = llm._engine, llm._engine._pg
-    result: dict = {}
-
-    def call() -> None:
-        try:
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=900, ignore_eos=True))
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    os.kill(engine.pids[1], signal.SIGKILL)
-    thread.join(3 * timeout_s)
-    assert not thread.is_alive()
-    error = result.get("error")
+    error, after_s = fail_mid_call(llm, 1, signal.SIGKILL, join_s=3 * timeout_s)
     assert isinstance(error, RankFailure), f"generate returned or raised {error!r}"
     assert error.ranks == [1] and "rank 1" in str(error), str(error)
-    assert time.monotonic() - killed_at < timeout_s
+    assert after_s < timeout_s
     llm.close()
     llm.close()
     assert_nothing_left(ray_cluster, engine, pg)

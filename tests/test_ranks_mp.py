@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from faults import fail_mid_call
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.shm import leftover_segments
 from specray.launch.procs import RankFailure
@@ -103,28 +104,10 @@ def test_killed_follower_fails_generate_naming_the_rank(tiny_checkpoints):
     timeout_s = 10.0
     llm = LLM(config(model, 2, launcher="mp", timeout_s=timeout_s))
     engine = llm._engine
-    long_call = SamplingParams(max_tokens=900, ignore_eos=True)  # many seconds unless interrupted
-    result: dict = {}
-
-    def call() -> None:
-        start = time.monotonic()
-        try:
-            llm.generate([[1, 2, 3]], long_call)
-        except BaseException as e:
-            result["error"] = e
-        result["elapsed"] = time.monotonic() - start
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    os.kill(engine.pids[1], signal.SIGKILL)
-    thread.join(3 * timeout_s)
-    assert not thread.is_alive()
-    error = result.get("error")
-    assert isinstance(error, RankFailure), f"generate returned or raised {error!r} after {result.get('elapsed')}"
+    error, after_s = fail_mid_call(llm, 1, signal.SIGKILL, join_s=3 * timeout_s)
+    assert isinstance(error, RankFailure), f"generate returned or raised {error!r}"
     assert error.ranks == [1] and "rank 1" in str(error) and "SIGKILL" in str(error)
-    assert time.monotonic() - killed_at < timeout_s
+    assert after_s < timeout_s
     llm.close()
     llm.close()
     assert_nothing_left(engine)
