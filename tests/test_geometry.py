@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray import LLM, EngineConfig, KVConfig
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.kv.agreement import RankReport, check_fingerprints, decide, fingerprint
 from specray.kv.budget import split_budget
 from specray.kv.geometry import KVLayout, allocate_pool
@@ -107,3 +107,17 @@ def test_llm_geometry_single_rank():
     assert (name, g.tokens_per_block, g.num_blocks, g.num_layers, g.num_kv_heads, g.head_dim) == \
         ("target", 64, 16, 4, 4, 32)
     assert g.num_bytes == 16 * 2 * 4 * 4 * 64 * 32 * 4
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+@pytest.mark.parametrize("target_page", [64, 128])
+def test_one_model_drafter_layers_live_in_the_target_pool(method, target_page):
+    config = EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=target_page, capacity_tokens=1024),
+                          spec=SpecConfig(method=method, num_draft_tokens=3))
+    with LLM(config) as llm:
+        geometry = llm.geometry
+        out = llm.generate([list(range(1, 100))], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert list(geometry) == ["target"]  # no draft pool
+    assert geometry["target"].tokens_per_block == target_page
+    assert geometry["target"].num_layers == 4 + 1  # tiny-llama's 4 layers + the drafter's one
+    assert len(out[0].token_ids) == 40
