@@ -69,22 +69,22 @@ def hit_mid_call(llm, rank: int, sig: int) -> dict:
 def unsatisfiable(llama: str) -> dict:
     """STRICT_SPREAD of 4 ranks on 2 nodes can never be placed."""
     start = time.monotonic()
-    try:
-        LLM(config(llama, tp_size=4, placement_strategy="STRICT_SPREAD", placement_timeout_s=PLACEMENT_TIMEOUT_S))
-        error = None
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    groups = placement_group_table().values()
-    return dict(error=error, elapsed_s=time.monotonic() - start,
-                groups_left=[g["name"] for g in groups if g["state"] != "REMOVED"])
+    result = _start_failure(config(llama, tp_size=4, placement_strategy="STRICT_SPREAD",
+                                   placement_timeout_s=PLACEMENT_TIMEOUT_S))
+    return dict(result, elapsed_s=time.monotonic() - start)
 
 
 def startup_fault(llama: str) -> dict:
     """TP=2 across the nodes, rank 1 told by the user's runtime_env to allocate 2 extra blocks:
     the variable must reach the actor on the other node, and the fingerprint check stop start-up."""
     env = {"env_vars": {"SPECRAY_FAULT_KV_EXTRA_BLOCKS": "1:2"}}
+    return _start_failure(config(llama, tp_size=2, placement_strategy="STRICT_SPREAD", runtime_env=env))
+
+
+def _start_failure(engine_config) -> dict:
+    """Build an LLM that must fail to start: the error, and the placement groups left over."""
     try:
-        LLM(config(llama, tp_size=2, placement_strategy="STRICT_SPREAD", runtime_env=env))
+        LLM(engine_config)
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"

@@ -50,11 +50,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-def _split(total: int, parts: int, index: int) -> tuple[int, int]:
-    size = total // parts
-    return index * size, (index + 1) * size
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
