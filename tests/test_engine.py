@@ -57,7 +57,6 @@ def test_stop_tokens_and_eos(llm):
     assert out.token_ids == free[: free.index(stop) + 1]
     assert out.finish_reason == "stop"
     eos = PRESETS["tiny-llama"]["eos_token_id"]
-    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8))[0].finish_reason in ("length", "stop")
     assert eos not in llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30))[0].token_ids[:-1]
 
 
