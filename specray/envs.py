@@ -7,6 +7,7 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |-----------------------------------|----------------------------------------------------------------|
 | SPECRAY_KV_MEMORY_FRACTION        | this rank's kv.memory_fraction                                 |
 | SPECRAY_DRAFT_KERNEL_PAGE_SIZES   | narrow this rank's drafter-kernel page sizes (comma list)      |
+| SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
 

@@ -34,7 +34,8 @@ def test_block_decode_matches_paged_attention(block_size, causal):
     q, pool, meta = _case(block_size, lengths=[5, 64, 130, 200], query_lens=[1, 4, 8, 3], causal=causal)
     # Tolerance: the tiled kernel sums in float32 per 64-token tile and rescales, SDPA sums
     # in one pass: the two agree to float32 rounding (~1e-6), far below any indexing error.
-    torch.testing.assert_close(block_decode_attention(q, pool, meta, 0.25), paged_attention(q, pool, meta, 0.25),
+    torch.testing.assert_close(block_decode_attention(q, None, None, pool, meta, 0.25),
+                               paged_attention(q, None, None, pool, meta, 0.25),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -42,4 +43,4 @@ def test_block_decode_matches_paged_attention(block_size, causal):
 def test_block_decode_rejects_other_page_sizes(block_size):
     q, pool, meta = _case(block_size, lengths=[5], query_lens=[1], causal=True)
     with pytest.raises(ValueError, match=rf"takes pages of \[32, 64\] tokens, not {block_size}"):
-        block_decode_attention(q, pool, meta, 0.25)
+        block_decode_attention(q, None, None, pool, meta, 0.25)

@@ -19,8 +19,10 @@ TILE_TOKENS = 64
 BLOCK_DECODE_PAGE_SIZES = frozenset({32, 64})
 
 
-def block_decode_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [N, heads, head_dim]; pool: [blocks, 2, kv_heads, B, head_dim]; returns [N, heads, head_dim]."""
+def block_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [N, heads, head_dim]; pool: [blocks, 2, kv_heads, B, head_dim]; returns [N, heads, head_dim].
+    Reads every key from the pool (``k``/``v``, the step's new ones, are already there)."""
     block_size = pool.shape[3]
     if block_size not in BLOCK_DECODE_PAGE_SIZES:
         raise ValueError(f"block-decode attention takes pages of {sorted(BLOCK_DECODE_PAGE_SIZES)} tokens, "

@@ -64,7 +64,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(pool, k, v, meta.slot_mapping)
-        o = self.kernel(q, pool, meta, self.scale)
+        o = self.kernel(q, k, v, pool, meta, self.scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
     def load(self, reader, prefix: str) -> None:

@@ -28,6 +28,7 @@ from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.loader import CheckpointReader
 from specray.models.presets import resolve_model
+from specray.workers.cpu_malloc import tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ def load_model(path, ctx: DistContext, dtype: str) -> CausalLM:
 class RankWorker:
     def __init__(self, config: EngineConfig, ctx: DistContext):
         self.config, self.ctx = config, ctx
+        if ctx.device.type == "cpu":
+            tune_cpu_malloc()
         torch.manual_seed(config.seed)
         self.model = load_model(resolve_model(config.model, config.seed), ctx, config.dtype)
         self.drafter = build_drafter(config, ctx, self.model)
