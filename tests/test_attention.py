@@ -49,8 +49,9 @@ def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_le
     width = max(len(t) for t in tables)
     new_slots = torch.tensor([table[t // block_size] * block_size + t % block_size
                               for table, c, n in zip(tables, cached_lens, query_lens) for t in range(c, c + n)])
-    meta = AttentionMetadata(slot_mapping=new_slots, block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             context_lens=torch.tensor(lengths), query_lens=query_lens, causal=causal)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    meta = AttentionMetadata(slot_mapping=new_slots, block_tables=block_tables, context_lens=torch.tensor(lengths),
+                             query_lens=query_lens, causal=causal)
     new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     write_kv(pool, new_k, new_v, new_slots)
@@ -59,7 +60,8 @@ def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_le
     out = paged_attention(q, new_k, new_v, pool, meta, 0.25)
 
     starts = torch.tensor([0] + query_lens).cumsum(0).tolist()
-    expected = torch.cat([_reference(q[s:e], k, v, e - s, causal) for s, e, k, v in zip(starts, starts[1:], keys, values)])
+    expected = torch.cat([_reference(q[s:e], k, v, e - s, causal)
+                          for s, e, k, v in zip(starts, starts[1:], keys, values)])
     # Tolerance: the batched path sums the same products in a different order (matmul, then
     # a float32 softmax) than SDPA; both are float32, so they agree to rounding (~1e-6).
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

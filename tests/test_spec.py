@@ -86,7 +86,7 @@ def test_standalone_draft_pool_with_64_token_pages_after_rollback(ckpt, plain):
     """Drive the engine step by step; after every rollback the draft pool's cached
     positions hold exactly what a fresh run of the draft model computes for those tokens."""
     from specray.executor.scheduler import Scheduler, Sequence
-    from specray.models.drafters.common import build_metadata
+    from specray.models.attention import build_metadata
 
     with LLM(config(ckpt, "draft_model", k=7, page=64)) as llm:
         engine = llm._engine

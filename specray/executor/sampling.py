@@ -34,3 +34,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(torch.argmax(logits))
     probs = probabilities(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[tuple[SamplingParams, torch.Generator]]) -> list[int]:
+    """One token per row; greedy rows share one argmax over the batch."""
+    tokens = logits.argmax(-1).tolist()
+    for i, (params, generator) in enumerate(samplers):
+        if not params.is_greedy:
+            tokens[i] = sample(logits[i], params, generator)
+    return tokens

@@ -24,7 +24,8 @@ import torch
 from specray.executor.plan import StepPlan
 from specray.executor.sampling import probabilities, sample
 from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted
-from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq, build_metadata
+from specray.models.attention import build_metadata
+from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq
 
 
 class SpecRunner:

@@ -38,6 +38,8 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence, summing to N
     causal: bool = True
     context_lens_list: list[int] = field(default_factory=list)  # context_lens as ints (filled if empty)
+    # what kernels derive from the metadata, built by the first layer and reused by the others
+    derived: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.context_lens_list:
@@ -48,12 +50,28 @@ class AttentionMetadata:
         return all(n == 1 for n in self.query_lens)
 
 
+def build_metadata(tables: list[list[int]], block_size: int, starts: list[int], query_lens: list[int],
+                   device: torch.device, *, causal: bool = True,
+                   context_lens: list[int] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(positions, metadata) for ``query_lens[i]`` new tokens of sequence i at positions
+    ``starts[i] ...``; keys visible up to ``context_lens[i]`` (default: the last new token)."""
+    width = max(1, max(len(t) for t in tables))
+    positions = [p for start, n in zip(starts, query_lens) for p in range(start, start + n)]
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, start, n in zip(tables, starts, query_lens) for p in range(start, start + n)]
+    ends = context_lens if context_lens is not None else [p + n for p, n in zip(starts, query_lens)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device),
+        context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
+        query_lens=list(query_lens), causal=causal, context_lens_list=list(ends))
+    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+
+
 def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v ([N, kv_heads, head_dim]) into their slots of one pool layer."""
     block_size = pool.shape[3]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    pool[blocks, 0, :, offsets] = k
-    pool[blocks, 1, :, offsets] = v
+    pool[slot_mapping // block_size, :, :, slot_mapping % block_size] = torch.stack((k, v), dim=1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -63,23 +81,64 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     Whole prompts (causal, nothing cached before them) attend to their own fresh k/v with
     SDPA's causal kernel, one call per prompt; every other sequence (decode, verify,
     a dflash block) is served by one batched call over pages gathered from the pool."""
-    lens, ctx = meta.query_lens, meta.context_lens_list
-    is_prompt = [meta.causal and n == c for n, c in zip(lens, ctx)]
-    if not any(is_prompt):
-        return _attend_cached(q, pool, meta.block_tables, ctx, lens, meta.causal, scale)
+    block_size = pool.shape[3]
+    plan = meta.derived.get(("paged", block_size))
+    if plan is None:
+        plan = meta.derived[("paged", block_size)] = _Plan.build(meta, block_size, q.device)
+    if not plan.prompts:
+        return _attend_cached(q, pool, plan, scale)
     out = torch.empty_like(q)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    cached = [i for i, p in enumerate(is_prompt) if not p]
-    for i in (i for i, p in enumerate(is_prompt) if p):
-        s, e = starts[i], starts[i + 1]
+    for s, e in plan.prompts:
         out[s:e] = _attend_fresh(q[s:e], k[s:e], v[s:e], scale)
-    if cached:
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in cached]).to(q.device)
-        out[rows] = _attend_cached(q[rows], pool, meta.block_tables[cached], [ctx[i] for i in cached],
-                                   [lens[i] for i in cached], True, scale)
+    if plan.rows is not None:
+        out[plan.rows] = _attend_cached(q[plan.rows], pool, plan, scale)
     return out
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How one step's sequences split between the two paths, and the batched path's gather
+    index and mask: the same for every layer, so built once per step."""
+
+    prompts: list[tuple[int, int]]  # query rows [s, e) of each whole prompt
+    rows: torch.Tensor | None  # query rows of the cached sequences (None: none cached)
+    index: torch.Tensor  # pages to gather, [S * used]
+    num_seqs: int
+    num_pages: int  # pages gathered per sequence
+    n: int  # queries per sequence, padded to the longest
+    padded: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, row) of each real query; None if uniform
+    hidden: torch.Tensor  # [S, 1 or n, num_pages * B]: the keys each query must not see
+
+    @staticmethod
+    def build(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+        lens, ctx = meta.query_lens, meta.context_lens_list
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        is_prompt = [meta.causal and n == c for n, c in zip(lens, ctx)]
+        prompts = [(starts[i], starts[i + 1]) for i, p in enumerate(is_prompt) if p]
+        cached = [i for i, p in enumerate(is_prompt) if not p]
+        rows = None
+        if prompts and cached:
+            rows = torch.tensor([r for i in cached for r in range(starts[i], starts[i + 1])], device=device)
+        if not cached:
+            return _Plan(prompts, None, torch.empty(0), 0, 0, 0, None, torch.empty(0))
+        lens, ctx = [lens[i] for i in cached], [ctx[i] for i in cached]
+        num_pages = -(-max(ctx) // block_size)
+        tables = meta.block_tables if not prompts else meta.block_tables[cached]
+        n, keys = max(lens), num_pages * block_size
+        padded = None
+        if any(m != n for m in lens):
+            padded = (torch.tensor([i for i, m in enumerate(lens) for _ in range(m)], device=device),
+                      torch.tensor([j for m in lens for j in range(m)], device=device))
+        # query j of sequence i sits at position ctx_i - n_i + j (padded rows: at or past ctx_i)
+        ctx_t = torch.tensor(ctx, device=device)
+        key_pos = torch.arange(keys, device=device)
+        mask = key_pos[None, None, :] < ctx_t[:, None, None]
+        if meta.causal:
+            query_pos = ctx_t[:, None] - torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
+            mask = mask & (key_pos[None, None, :] <= query_pos[:, :, None])
+        return _Plan(prompts, rows, tables[:, :num_pages].reshape(-1), len(lens), num_pages, n, padded, ~mask)
 
 
 def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -89,49 +148,29 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return o.transpose(0, 1)
 
 
-def _attend_cached(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: list[int],
-                   query_lens: list[int], causal: bool, scale: float) -> torch.Tensor:
-    """Every sequence at once: gather the pages of all of them (one index_select per K and V),
-    pad the queries to the longest, mask by length (and position when causal)."""
-    num_seqs, n, length = len(query_lens), max(query_lens), max(context_lens)
+def _attend_cached(q: torch.Tensor, pool: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    """Every cached sequence at once: gather their pages (one index_select per K and V), pad
+    the queries to the longest, mask by length (and position when causal)."""
+    num_seqs, n = plan.num_seqs, plan.n
     kv_heads, block_size, dim = pool.shape[2], pool.shape[3], pool.shape[4]
     heads = q.shape[1]
-    group = heads // kv_heads
-    used = -(-length // block_size)
-    index = block_tables[:, :used].reshape(-1)
-    keys = used * block_size
+    group, keys = heads // kv_heads, plan.num_pages * block_size
 
-    def gather(half: int) -> torch.Tensor:  # [S, kv_heads, used * B, dim]
-        pages = pool[:, half].index_select(0, index).view(num_seqs, used, kv_heads, block_size, dim)
+    def gather(half: int) -> torch.Tensor:  # [S, kv_heads, keys, dim]
+        pages = pool[:, half].index_select(0, plan.index).view(num_seqs, plan.num_pages, kv_heads, block_size, dim)
         return pages.transpose(1, 2).reshape(num_seqs, kv_heads, keys, dim)
 
     k, v = gather(0), gather(1)
-    is_uniform = all(m == n for m in query_lens)
-    if is_uniform:
+    if plan.padded is None:
         qp = q.view(num_seqs, n, heads, dim)
     else:
         qp = q.new_zeros(num_seqs, n, heads, dim)
-        qp[_padded_rows(query_lens, n, q.device)] = q
-    # query i of sequence s sits at position ctx_s - n_s + i (padded rows: at or past ctx_s)
-    dev = q.device
-    ctx = torch.tensor(context_lens, device=dev)
-    key_pos = torch.arange(keys, device=dev)
-    mask = key_pos[None, None, :] < ctx[:, None, None]  # [S, 1, keys]
-    if causal:
-        query_pos = ctx[:, None] - torch.tensor(query_lens, device=dev)[:, None] + torch.arange(n, device=dev)
-        mask = mask & (key_pos[None, None, :] <= query_pos[:, :, None])  # [S, n, keys]
+        qp[plan.padded] = q
     # GQA without repeating K/V: the group's queries of one kv head are rows of one matmul
     qg = qp.view(num_seqs, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, group * n, dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(num_seqs, kv_heads, group, n, keys)
-    scores = scores.float().mul_(scale).masked_fill_(~mask[:, None, None], float("-inf"))
+    scores = scores.float().mul_(scale).masked_fill_(plan.hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_seqs, kv_heads, group * n, keys)
     o = torch.matmul(probs, v).view(num_seqs, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4)
     o = o.reshape(num_seqs, n, heads, dim)
-    return o.reshape(-1, heads, dim) if is_uniform else o[_padded_rows(query_lens, n, q.device)]
-
-
-def _padded_rows(query_lens: list[int], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, row) of every real query in a [S, n] padded layout."""
-    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=device), torch.tensor(query_lens, device=device))
-    row = torch.cat([torch.arange(m, device=device) for m in query_lens])
-    return seq, row
+    return o.reshape(-1, heads, dim) if plan.padded is None else o[plan.padded]

@@ -31,8 +31,8 @@ from specray.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    RotaryEmbedding,
     apply_rope,
-    rope_cos_sin,
 )
 
 
@@ -55,14 +55,12 @@ class Attention(nn.Module):
         self.scale = arch.head_dim ** -0.5
 
     def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.qkv.out_sizes[0], self.qkv.out_sizes[1]
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_local_heads, self.head_dim)
-        k = k.view(-1, self.num_local_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_local_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_local_heads, self.num_local_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(-1, heads + 2 * kv_heads, dim)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated in one pass
         write_kv(pool, k, v, meta.slot_mapping)
         o = self.kernel(q, k, v, pool, meta, self.scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
@@ -172,6 +170,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype, kernel) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -187,7 +186,7 @@ class CausalLM(nn.Module):
         ``(hidden, captured)``: ``captured[i]`` is the residual stream after layer
         ``capture_layers[i]``. ``pools`` may hold more layers than the model (a one-model
         drafter's layers come last); the model uses the first ``num_layers``."""
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = self.rotary(positions)
         x = self.embed_tokens(ids)
         captured = {}
         for i, (layer, pool) in enumerate(zip(self.layers, pools)):

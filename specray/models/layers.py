@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
+from specray.models.cpu_gemm import load_small_gemm
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -34,6 +35,8 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 # rows). Linear layers therefore also keep a oneDNN copy packed once at load time and use
 # it from PACKED_MIN_ROWS rows up; below that the dense weight's GEMV path is as fast.
 # Measured on the 2-core CPU box, 1024 x 5632 float32: 8 rows 2.15 -> 1.06 ms, 1 row 0.62 -> 0.66 ms.
+# From 2 to SMALL_GEMM_MAX_ROWS rows, specray's own kernel (cpu_gemm.py) beats both; one row
+# stays on BLAS's GEMV, which already streams the weight at memory speed.
 PACKED_MIN_ROWS = 4
 
 
@@ -45,7 +48,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    if packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if rows >= 2 and x.device.type == "cpu":
+        small_gemm = load_small_gemm()
+        if small_gemm is not None and small_gemm.accepts(x, weight):
+            return small_gemm(x, weight, bias)
+    if packed is not None and rows >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -66,12 +74,29 @@ class RMSNorm(nn.Module):
         self.weight.copy_(reader.read(name))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [N, head_dim] for the given positions (the default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+class RotaryEmbedding:
+    """cos/sin of the default RoPE, as [N, head_dim] rows for the given positions.
+
+    The tables are computed once for positions [0, size) and doubled when a later position
+    needs more, so a step only indexes them. Each entry is the float32 expression
+    transformers evaluates per step (position * inv_freq, then cos and sin)."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device, size: int = 1024):
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        self.inv_freq = 1.0 / (theta ** exponent)
+        self.cos = self.sin = torch.empty(0, head_dim, device=device)
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._grow(max(needed, 2 * self.cos.shape[0]))
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

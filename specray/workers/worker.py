@@ -15,14 +15,14 @@ import torch
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
 from specray.executor.plan import StepPlan
-from specray.executor.sampling import sample
+from specray.executor.sampling import sample_rows
 from specray.executor.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import kv_budget_bytes
 from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch, read_arch
-from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata
+from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
@@ -119,22 +119,6 @@ class RankWorker:
         for sid, blocks in zip(plan.seq_ids, plan.new_blocks):
             self.block_tables.setdefault(sid, []).extend(blocks)
 
-    def _metadata(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev, block_size = self.ctx.device, self.geometry["target"].tokens_per_block
-        tables = [self.block_tables[sid] for sid in plan.seq_ids]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev)
-        query_lens = [len(ids) for ids in plan.input_ids]
-        ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(plan.start_positions, query_lens)]).to(dev)
-        rows = torch.repeat_interleave(torch.arange(len(tables), device=dev),
-                                       torch.tensor(query_lens, device=dev))
-        slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
-        context_lens = torch.tensor([p + n for p, n in zip(plan.start_positions, query_lens)], device=dev)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                                 context_lens=context_lens, query_lens=query_lens)
-        return ids, positions, meta
-
     def execute(self, plan: StepPlan) -> list[int] | list[list[int]]:
         """Run one step; returns the sampled token of every scheduled sequence (with a drafter:
         the list of its new tokens, accepted drafts plus the bonus token).
@@ -159,12 +143,12 @@ class RankWorker:
             return self.spec.execute(plan)
         if not plan.seq_ids:
             return []
-        ids, positions, meta = self._metadata(plan)
+        tables = [self.block_tables[sid] for sid in plan.seq_ids]
+        query_lens = [len(ids) for ids in plan.input_ids]
+        positions, meta = build_metadata(tables, self.geometry["target"].tokens_per_block, plan.start_positions,
+                                         query_lens, self.ctx.device)
+        ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
-        last = torch.tensor(meta.query_lens, device=hidden.device).cumsum(0) - 1
+        last = torch.tensor(query_lens, device=hidden.device).cumsum(0) - 1
         logits = self.model.logits(hidden[last])
-        tokens = []
-        for row, sid in zip(logits, plan.seq_ids):
-            params, gen = self.samplers[sid]
-            tokens.append(sample(row, params, gen))
-        return tokens
+        return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])

@@ -1,5 +1,5 @@
-"""What every drafter shares: the batch it drafts for, attention metadata for arbitrary
-positions, the replicated small projections, and the drafter contract.
+"""What every drafter shares: the batch it drafts for, the replicated small projections,
+and the drafter contract (``attention.build_metadata`` gives metadata for any positions).
 
 A drafter is built on every rank and sharded like the target (its decoder layers take
 ``ctx.tp``). Each step, before the target verifies, the runner calls
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specray.models.attention import AttentionMetadata
 
 FINAL_HIDDEN = -1  # in ``feature_layers``: the target's output after its final norm
 
@@ -51,24 +50,6 @@ class DraftBatch:
     pools: list[torch.Tensor]  # the drafter's layers, in order
     block_size: int
     device: torch.device
-
-
-def build_metadata(tables: list[list[int]], block_size: int, starts: list[int], query_lens: list[int],
-                   device: torch.device, *, causal: bool = True,
-                   context_lens: list[int] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
-    """(positions, metadata) for ``query_lens[i]`` new tokens of sequence i at positions
-    ``starts[i] ...``; keys visible up to ``context_lens[i]`` (default: the last new token)."""
-    width = max(1, max(len(t) for t in tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, query_lens)]).to(device)
-    rows = torch.repeat_interleave(torch.arange(len(tables), device=device),
-                                   torch.tensor(query_lens, device=device))
-    slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
-    ends = context_lens if context_lens is not None else [p + n for p, n in zip(starts, query_lens)]
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                             context_lens=torch.tensor(ends, dtype=torch.int64, device=device),
-                             query_lens=list(query_lens), causal=causal)
-    return positions, meta
 
 
 def last_rows(query_lens: list[int], device: torch.device) -> torch.Tensor:

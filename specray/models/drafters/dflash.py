@@ -41,11 +41,11 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch
-from specray.models.attention import write_kv
+from specray.models.attention import build_metadata, write_kv
 from specray.models.block_attention import block_decode_attention
 from specray.models.decoder import CausalLM, DecoderLayer
-from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear, build_metadata
-from specray.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear
+from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 
 class DFlashDrafter(nn.Module):
@@ -57,6 +57,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         h, dev, eps = arch.hidden_size, ctx.device, arch.rms_norm_eps
         self.arch = arch
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
         self.feature_layers = tuple(target_layer_ids)
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.target = [target]  # a list so the target's modules are not registered twice
@@ -93,12 +94,12 @@ class DFlashDrafter(nn.Module):
         ctx_starts = [s.num_consumed for s in seqs]
         ctx_lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
         ctx_pos, ctx_meta = build_metadata(tables, batch.block_size, ctx_starts, ctx_lens, dev)
-        ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, self.arch.head_dim, self.arch.rope_theta)
+        ctx_cos, ctx_sin = self.rotary(ctx_pos)
         context = self.hidden_norm(self.fc(torch.cat([s.features for s in seqs])))
 
         starts = [len(s.tokens) - 1 for s in seqs]
         positions, meta = build_metadata(tables, batch.block_size, starts, [k + 1] * len(seqs), dev, causal=False)
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = self.rotary(positions)
         ids = torch.tensor([t for s in seqs for t in [s.tokens[-1]] + [self.mask_token_id] * k], device=dev)
         x = self.target[0].embed_tokens(ids)
         for layer, pool in zip(self.layers, batch.pools):

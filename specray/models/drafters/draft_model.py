@@ -18,7 +18,8 @@ from specray.models.arch import read_arch
 from specray.models.loader import CheckpointReader
 from specray.models.block_attention import block_decode_attention
 from specray.models.decoder import CausalLM
-from specray.models.drafters.common import Choose, DraftBatch, build_metadata, last_rows
+from specray.models.attention import build_metadata
+from specray.models.drafters.common import Choose, DraftBatch, last_rows
 
 
 class DraftModelDrafter(nn.Module):

@@ -35,9 +35,9 @@ from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch
 from specray.models.decoder import CausalLM, DecoderLayer
-from specray.models.drafters.common import (FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, build_metadata,
-                                            last_rows)
-from specray.models.layers import RMSNorm, rope_cos_sin
+from specray.models.attention import build_metadata
+from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, last_rows
+from specray.models.layers import RMSNorm, RotaryEmbedding
 
 
 class HiddenStateDrafter(nn.Module):
@@ -49,6 +49,7 @@ class HiddenStateDrafter(nn.Module):
         super().__init__()
         h, dev, eps = arch.hidden_size, ctx.device, arch.rms_norm_eps
         self.arch = arch
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
         self.feature_layers = feature_layers
         self.target = [target]  # a list so the target's modules are not registered twice
         self.fc = ReplicatedLinear(len(feature_layers) * h, h, dtype, dev) if feature_layers != (FINAL_HIDDEN,) else None
@@ -75,7 +76,7 @@ class HiddenStateDrafter(nn.Module):
         target = self.target[0]
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = self.rotary(positions)
         x = self.eh_proj(torch.cat([self.enorm(target.embed_tokens(ids)), self.hnorm(features)], dim=-1))
         g = self.layer(x, cos, sin, batch.pools[0], meta)[last_rows(lens, batch.device)]
         return target.logits(self.norm(g)), g
