@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specray.models.cpu_kernels import MAX_HEAD_DIM, load_cpu_kernels
+
 # Kernel capability: the page sizes this kernel accepts. It gathers whole pages with an
 # index and masks by length, so any power of two works; powers of two keep the slot
 # arithmetic (t // B, t % B) to shifts and match the configured range.
@@ -108,6 +110,9 @@ class _Plan:
     n: int  # queries per sequence, padded to the longest
     padded: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, row) of each real query; None if uniform
     hidden: torch.Tensor  # [S, 1 or n, num_pages * B]: the keys each query must not see
+    # the same sequences as the C kernel takes them: tables, context and query lengths, first rows
+    kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    causal: bool
 
     @staticmethod
     def build(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
@@ -122,7 +127,7 @@ class _Plan:
         if prompts and cached:
             rows = torch.tensor([r for i in cached for r in range(starts[i], starts[i + 1])], device=device)
         if not cached:
-            return _Plan(prompts, None, torch.empty(0), 0, 0, 0, None, torch.empty(0))
+            return _Plan(prompts, None, torch.empty(0), 0, 0, 0, None, torch.empty(0), (), meta.causal)
         lens, ctx = [lens[i] for i in cached], [ctx[i] for i in cached]
         num_pages = -(-max(ctx) // block_size)
         tables = meta.block_tables if not prompts else meta.block_tables[cached]
@@ -138,7 +143,13 @@ class _Plan:
         if meta.causal:
             query_pos = ctx_t[:, None] - torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
             mask = mask & (key_pos[None, None, :] <= query_pos[:, :, None])
-        return _Plan(prompts, rows, tables[:, :num_pages].reshape(-1), len(lens), num_pages, n, padded, ~mask)
+        q_starts = [0]
+        for m in lens[:-1]:
+            q_starts.append(q_starts[-1] + m)
+        kernel_args = (tables.contiguous(), ctx_t, torch.tensor(lens, device=device),
+                       torch.tensor(q_starts, device=device))
+        return _Plan(prompts, rows, tables[:, :num_pages].reshape(-1), len(lens), num_pages, n, padded, ~mask,
+                     kernel_args, meta.causal)
 
 
 def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -149,8 +160,14 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def _attend_cached(q: torch.Tensor, pool: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
-    """Every cached sequence at once: gather their pages (one index_select per K and V), pad
+    """Every cached sequence at once: specray's C kernel reads the pages in place where it
+    can (float32 on CPU); otherwise gather their pages (one index_select per K and V), pad
     the queries to the longest, mask by length (and position when causal)."""
+    if (q.dtype == pool.dtype == torch.float32 and q.device.type == "cpu" and pool.is_contiguous()
+            and pool.shape[4] <= MAX_HEAD_DIM):
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            return kernels.paged_attention(q.contiguous(), pool, *plan.kernel_args, plan.causal, scale)
     num_seqs, n = plan.num_seqs, plan.n
     kv_heads, block_size, dim = pool.shape[2], pool.shape[3], pool.shape[4]
     heads = q.shape[1]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
-from specray.models.cpu_gemm import load_small_gemm
+from specray.models.cpu_kernels import load_cpu_kernels
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -35,8 +35,8 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 # rows). Linear layers therefore also keep a oneDNN copy packed once at load time and use
 # it from PACKED_MIN_ROWS rows up; below that the dense weight's GEMV path is as fast.
 # Measured on the 2-core CPU box, 1024 x 5632 float32: 8 rows 2.15 -> 1.06 ms, 1 row 0.62 -> 0.66 ms.
-# From 2 to SMALL_GEMM_MAX_ROWS rows, specray's own kernel (cpu_gemm.py) beats both; one row
-# stays on BLAS's GEMV, which already streams the weight at memory speed.
+# From 2 to 8 rows, specray's own kernel (cpu_kernels.small_gemm) beats both; one row stays
+# on BLAS's GEMV, which already streams the weight at memory speed.
 PACKED_MIN_ROWS = 4
 
 
@@ -50,9 +50,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     rows = x.shape[0] if x.dim() == 2 else 0
     if rows >= 2 and x.device.type == "cpu":
-        small_gemm = load_small_gemm()
-        if small_gemm is not None and small_gemm.accepts(x, weight):
-            return small_gemm(x, weight, bias)
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.accepts(x, weight):
+            return kernels.small_gemm(x, weight, bias)
     if packed is not None and rows >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -65,6 +65,10 @@ class RMSNorm(nn.Module):
         self.weight = _empty(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            kernels = load_cpu_kernels()
+            if kernels is not None:  # one fused call instead of seven ops
+                return kernels.rms_norm(x, self.weight, self.eps)
         # Computed in float32 and cast back, as transformers does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

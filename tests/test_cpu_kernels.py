@@ -1,4 +1,4 @@
-"""specray's small-row CPU GEMM kernel against torch, and the fallback without it."""
+"""specray's CPU kernels against torch, and the fallbacks without them."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from specray.models import layers
-from specray.models.cpu_gemm import load_small_gemm
+from specray.models.cpu_kernels import load_cpu_kernels
 
-small_gemm = load_small_gemm()
-needs_kernel = pytest.mark.skipif(small_gemm is None, reason="no C compiler on this machine")
+kernels = load_cpu_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
 
 
 @needs_kernel
@@ -23,7 +23,7 @@ def test_small_gemm_matches_torch(rows, n, k, has_bias):
     bias = torch.randn(n, generator=gen) if has_bias else None
     # Tolerance: the kernel sums 16 lanes then the lanes (float32), BLAS in its own order;
     # for |x|, |w| ~ 1 and k <= 1024 the two agree to a few float32 ulps of sqrt(k).
-    torch.testing.assert_close(small_gemm(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.small_gemm(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
@@ -34,9 +34,9 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = small_gemm(x, w, None)
+        one = kernels.small_gemm(x, w, None)
         torch.set_num_threads(2)
-        two = small_gemm(x, w, None)
+        two = kernels.small_gemm(x, w, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -45,11 +45,25 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count():
 @needs_kernel
 def test_small_gemm_rejects_too_many_rows():
     with pytest.raises(ValueError, match=r"takes 1..8 rows, not 9"):
-        small_gemm(torch.randn(9, 16), torch.randn(4, 16), None)
+        kernels.small_gemm(torch.randn(9, 16), torch.randn(4, 16), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, dim", [(1, 64), (5, 1024), (3, 100)])
+def test_rms_norm_matches_the_torch_formula(rows, dim, monkeypatch):
+    gen = torch.Generator().manual_seed(dim)
+    x, weight = torch.randn(rows, dim, generator=gen), torch.randn(dim, generator=gen)
+    norm = layers.RMSNorm(dim, 1e-6, torch.float32, torch.device("cpu"))
+    norm.weight.data.copy_(weight)
+    fused = norm(x)
+    monkeypatch.setattr(layers, "load_cpu_kernels", lambda: None)
+    # Tolerance: the kernel sums squares in 16 lanes and uses 1/sqrtf, torch reduces in its
+    # own order and uses rsqrt; both are float32 and agree to a few ulps.
+    torch.testing.assert_close(fused, norm(x), rtol=1e-6, atol=1e-6)
 
 
 def test_linear_falls_back_to_torch_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(layers, "load_small_gemm", lambda: None)
+    monkeypatch.setattr(layers, "load_cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
     torch.testing.assert_close(layers.linear(x, w, None, None), F.linear(x, w))
@@ -57,9 +71,9 @@ def test_linear_falls_back_to_torch_without_the_kernel(monkeypatch):
 
 def test_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SPECRAY_CPU_KERNELS", "0")
-    load_small_gemm.cache_clear()
+    load_cpu_kernels.cache_clear()
     try:
-        assert load_small_gemm() is None
+        assert load_cpu_kernels() is None
     finally:
         monkeypatch.delenv("SPECRAY_CPU_KERNELS")
-        load_small_gemm.cache_clear()
+        load_cpu_kernels.cache_clear()

@@ -1,0 +1,140 @@
+"""specray's CPU kernels (``csrc/*.c``), built on first use and called through ctypes.
+
+- ``small_gemm``: a few rows (a batch of one token per sequence, or k + 1 verify rows)
+  times a weight. The time goes into reading the weight, which this kernel does at close to
+  streaming speed where MKL and oneDNN do not (see ``small_gemm.c``).
+- ``rms_norm`` and ``paged_attention``: the per-layer steps of decoding whose torch cost is
+  the number of ops, fused into one call each (see ``decode_ops.c``).
+
+They are compiled on the machine that runs them (``cc -O3 -march=native -fopenmp``, about
+two seconds) into ``$SPECRAY_CACHE/kernels/<hash of sources, compiler and CPU flags>/``.
+The library links ``libgomp.so.1``, which the loader resolves to the OpenMP runtime torch
+already loaded, so the kernels share torch's threads and ``torch.set_num_threads``.
+Without a C compiler, or with ``SPECRAY_CPU_KERNELS=0``, ``load_cpu_kernels`` returns None
+and every layer keeps using torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+COMPILE_TIMEOUT_S = 120
+
+
+MAX_HEAD_DIM = 512  # decode_ops.c keeps one head's accumulator on the stack
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class CpuKernels:
+    """The loaded library's entry points, for float32 CPU tensors."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._gemm = lib.specray_small_gemm
+        self._gemm.argtypes = [ptr] * 4 + [i64] * 3
+        self._gemm.restype = ctypes.c_int
+        self._norm = lib.specray_rms_norm
+        self._norm.argtypes = [ptr] * 3 + [i64] * 2 + [f32]
+        self._norm.restype = None
+        self._attn = lib.specray_paged_attention
+        self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
+        self._attn.restype = None
+        self.max_rows = lib.specray_small_gemm_max_rows()
+
+    def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``small_gemm`` takes this product."""
+        return (x.dim() == 2 and 1 <= x.shape[0] <= self.max_rows and x.dtype == weight.dtype == torch.float32
+                and x.device.type == "cpu" and weight.is_contiguous())
+
+    def small_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` for 1..max_rows rows."""
+        x = x.contiguous()
+        rows, n = x.shape[0], weight.shape[0]
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        if self._gemm(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, weight.shape[1]):
+            raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of a contiguous float32 tensor."""
+        y = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
+        return y
+
+    def paged_attention(self, q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_lens: torch.Tensor, q_starts: torch.Tensor,
+                        causal: bool, scale: float) -> torch.Tensor:
+        """q: [N, heads, dim] contiguous; pool: one contiguous layer; int64 metadata tensors."""
+        num_blocks, _, kv_heads, block_size, dim = pool.shape
+        out = torch.empty_like(q)
+        self._attn(q.data_ptr(), pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                   context_lens.data_ptr(), query_lens.data_ptr(), q_starts.data_ptr(), context_lens.shape[0],
+                   q.shape[1], kv_heads, block_size, dim, scale, int(causal), out.data_ptr())
+        return out
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build next to the target and rename: ranks of one host may build at the same time
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=COMPILE_TIMEOUT_S)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, built if this machine has none cached; None where they cannot be had."""
+    if os.environ.get("SPECRAY_CPU_KERNELS", "1").strip() == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: CPU layers use torch's ops only")
+        return None
+    from specray.models.presets import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
+    target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        return CpuKernels(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("could not build specray's CPU kernels (%s); using torch's ops", detail)
+        return None

@@ -1,0 +1,91 @@
+/* Fused CPU kernels for the small, per-layer steps of decoding, where torch's cost is the
+ * number of ops (each a dispatch, an allocation and an OpenMP fork) rather than the work:
+ *
+ * - specray_rms_norm: y = w * (x / sqrt(mean(x^2) + eps)), float32, one row at a time.
+ * - specray_paged_attention: attention of each sequence's queries to its cached keys read
+ *   in place from the paged pool (no gather, no copies), GQA by indexing the kv head,
+ *   causal or not, with a one-pass (online) softmax in float32.
+ *
+ * Each output is computed by one thread in a fixed order, so results do not depend on the
+ * thread count (ranks computing the same thing agree bit for bit).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float lane_sum(vec v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; ++i) s += v[i];
+    return s;
+}
+
+/* sum of a[i] * b[i] over n floats: 16 lane sums, then the lanes, then the tail */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vec acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
+    float s = lane_sum(acc);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+void specray_rms_norm(const float *x, const float *weight, float *y, int64_t rows, int64_t dim, float eps) {
+    #pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * dim;
+        float *yr = y + r * dim;
+        float inv = 1.0f / sqrtf(dot(xr, xr, dim) / (float)dim + eps);
+        for (int64_t i = 0; i < dim; ++i) yr[i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* q, out: [N, heads, dim]; pool layer: [num_blocks, 2, kv_heads, block_size, dim];
+ * block_tables: [S, width]; seq i has query_lens[i] rows starting at row q_starts[i], and
+ * context_lens[i] keys; query j of it sits at position context_lens[i] - query_lens[i] + j
+ * and, when causal, sees keys up to that position (else all context_lens[i] keys). */
+void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
+                             const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
+                             int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
+                             float scale, int causal, float *out) {
+    const int64_t group = heads / kv_heads;
+    const int64_t page = 2 * kv_heads * block_size * dim; /* floats per block */
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t kvh = h / group, ctx = context_lens[s], n = query_lens[s];
+            const int64_t *table = block_tables + s * width;
+            float acc[512]; /* dim <= 512 (checked by the caller) */
+            for (int64_t j = 0; j < n; ++j) {
+                const float *qv = q + ((q_starts[s] + j) * heads + h) * dim;
+                const int64_t visible = causal ? ctx - n + j + 1 : ctx;
+                float max = -INFINITY, sum = 0.0f;
+                for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+                for (int64_t t = 0; t < visible; ++t) {
+                    const float *base = pool + table[t / block_size] * page + (kvh * block_size + t % block_size) * dim;
+                    const float *k = base, *v = base + kv_heads * block_size * dim;
+                    float score = dot(qv, k, dim) * scale;
+                    if (score > max) { /* rescale what was summed under the old max */
+                        float c = expf(max - score);
+                        sum *= c;
+                        for (int64_t d = 0; d < dim; ++d) acc[d] *= c;
+                        max = score;
+                    }
+                    float p = expf(score - max);
+                    sum += p;
+                    for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+                }
+                float *o = out + ((q_starts[s] + j) * heads + h) * dim;
+                for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / sum;
+            }
+        }
+    }
+}
