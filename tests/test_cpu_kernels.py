@@ -77,3 +77,24 @@ def test_kernel_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv("SPECRAY_CPU_KERNELS")
         load_cpu_kernels.cache_clear()
+
+
+@needs_kernel
+def test_rope_store_kv_matches_the_torch_path_bit_for_bit():
+    from specray.models.attention import write_kv
+
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, dim, block_size = 5, 4, 2, 16, 8
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    rotary = layers.RotaryEmbedding(dim, 10000.0, torch.device("cpu"))
+    cos, sin = rotary(torch.tensor([0, 3, 7, 8, 30]))
+    slots = torch.tensor([1, 9, 17, 18, 40])
+    pool_c, pool_t = torch.zeros(6, 2, kv_heads, block_size, dim), torch.zeros(6, 2, kv_heads, block_size, dim)
+
+    q_c, k_c = kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, pool_c, slots)
+
+    view = qkv.view(rows, heads + 2 * kv_heads, dim)
+    q_t, k_t = layers.apply_rope(view[:, : heads + kv_heads], cos, sin).split([heads, kv_heads], dim=1)
+    write_kv(pool_t, k_t, view[:, heads + kv_heads:], slots)
+    # the kernel rounds the two products and their sum separately, as torch does: exact
+    assert torch.equal(q_c, q_t) and torch.equal(k_c, k_t) and torch.equal(pool_c, pool_t)

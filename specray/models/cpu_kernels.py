@@ -3,8 +3,8 @@
 - ``small_gemm``: a few rows (a batch of one token per sequence, or k + 1 verify rows)
   times a weight. The time goes into reading the weight, which this kernel does at close to
   streaming speed where MKL and oneDNN do not (see ``small_gemm.c``).
-- ``rms_norm`` and ``paged_attention``: the per-layer steps of decoding whose torch cost is
-  the number of ops, fused into one call each (see ``decode_ops.c``).
+- ``rms_norm``, ``rope_store_kv`` and ``paged_attention``: the per-layer steps of decoding
+  whose torch cost is the number of ops, fused into one call each (see ``decode_ops.c``).
 
 They are compiled on the machine that runs them (``cc -O3 -march=native -fopenmp``, about
 two seconds) into ``$SPECRAY_CACHE/kernels/<hash of sources, compiler and CPU flags>/``.
@@ -57,6 +57,9 @@ class CpuKernels:
         self._attn = lib.specray_paged_attention
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
+        self._rope = lib.specray_rope_store_kv
+        self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
+        self._rope.restype = None
         self.max_rows = lib.specray_small_gemm_max_rows()
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -79,6 +82,17 @@ class CpuKernels:
         dim = x.shape[-1]
         self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
         return y
+
+    def rope_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                      pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k) from a contiguous fused qkv [N, (heads + 2 kv_heads) * dim]; k and v are
+        stored into the contiguous pool layer at ``slots``."""
+        rows, dim = qkv.shape[0], pool.shape[4]
+        q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
+        k = torch.empty(rows, kv_heads, dim, dtype=qkv.dtype)
+        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, kv_heads, dim, q.data_ptr(),
+                   k.data_ptr(), pool.data_ptr(), slots.data_ptr(), pool.shape[3])
+        return q, k
 
     def paged_attention(self, q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, query_lens: torch.Tensor, q_starts: torch.Tensor,

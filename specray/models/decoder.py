@@ -24,6 +24,7 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.models.arch import ModelArch
 from specray.models.attention import AttentionMetadata, paged_attention, write_kv
+from specray.models.cpu_kernels import load_cpu_kernels
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -34,6 +35,14 @@ from specray.models.layers import (
     RotaryEmbedding,
     apply_rope,
 )
+
+
+def fused_rope_kernels(qkv: torch.Tensor, pool: torch.Tensor):
+    """specray's CPU kernels where they can rotate and store this step's q/k/v, else None."""
+    if qkv.dtype == pool.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() \
+            and pool.is_contiguous():
+        return load_cpu_kernels()
+    return None
 
 
 class Attention(nn.Module):
@@ -56,12 +65,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         heads, kv_heads, dim = self.num_local_heads, self.num_local_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(-1, heads + 2 * kv_heads, dim)
-        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated in one pass
-        write_kv(pool, k, v, meta.slot_mapping)
+        qkv = self.qkv(x)
+        kernels = fused_rope_kernels(qkv, pool) if self.q_norm is None else None
+        if kernels is not None:  # RoPE and the K/V store in one call
+            q, k = kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, pool, meta.slot_mapping)
+            v = qkv.view(-1, heads + 2 * kv_heads, dim)[:, heads + kv_heads:]
+        else:
+            qkv = qkv.view(-1, heads + 2 * kv_heads, dim)
+            qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated in one pass
+            write_kv(pool, k, v, meta.slot_mapping)
         o = self.kernel(q, k, v, pool, meta, self.scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
 

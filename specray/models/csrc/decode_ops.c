@@ -89,3 +89,37 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
         }
     }
 }
+
+/* RoPE (rotate-half convention) of q and k, and the store of k and v into the pool, in one
+ * pass over a fused qkv projection row [q heads | k heads | v heads] x dim per token.
+ * out = x * cos + rotate_half(x) * sin, with the product and the sum rounded separately as
+ * torch (and transformers) compute it: no fused multiply-add here. */
+__attribute__((optimize("fp-contract=off")))
+void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
+                           const int64_t *slots, int64_t block_size) {
+    const int64_t half = dim / 2, row_size = (heads + 2 * kv_heads) * dim;
+    const int64_t page = 2 * kv_heads * block_size * dim;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *x = qkv + r * row_size, *c = cos + r * dim, *s = sin + r * dim;
+        const int64_t block = slots[r] / block_size, offset = slots[r] % block_size;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            const float *xh = x + h * dim;
+            float *o = h < heads ? q_out + (r * heads + h) * dim : k_out + (r * kv_heads + h - heads) * dim;
+            for (int64_t i = 0; i < half; ++i) {
+                float a = xh[i] * c[i], b = -xh[i + half] * s[i];
+                o[i] = a + b;
+            }
+            for (int64_t i = half; i < dim; ++i) {
+                float a = xh[i] * c[i], b = xh[i - half] * s[i];
+                o[i] = a + b;
+            }
+            if (h >= heads) { /* k: into the pool next to its v */
+                const int64_t kvh = h - heads;
+                float *dst = pool + block * page + (kvh * block_size + offset) * dim;
+                memcpy(dst, o, dim * sizeof(float));
+                memcpy(dst + kv_heads * block_size * dim, x + (heads + kv_heads + kvh) * dim, dim * sizeof(float));
+            }
+        }
+    }
+}
