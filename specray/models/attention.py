@@ -81,8 +81,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     """q: [N, heads, head_dim] (already rotated); returns [N, heads, head_dim].
 
     Whole prompts (causal, nothing cached before them) attend to their own fresh k/v with
-    SDPA's causal kernel, one call per prompt; every other sequence (decode, verify,
-    a dflash block) is served by one batched call over pages gathered from the pool."""
+    SDPA's causal kernel, one call per prompt; every other sequence (decode, verify rows)
+    is served by one batched call over the pool (``_attend_cached``)."""
     block_size = pool.shape[3]
     plan = meta.derived.get(("paged", block_size))
     if plan is None:
