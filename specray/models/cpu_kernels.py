@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from specray.models.presets import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
@@ -98,7 +100,7 @@ class CpuKernels:
                         context_lens: torch.Tensor, query_lens: torch.Tensor, q_starts: torch.Tensor,
                         causal: bool, scale: float) -> torch.Tensor:
         """q: [N, heads, dim] contiguous; pool: one contiguous layer; int64 metadata tensors."""
-        num_blocks, _, kv_heads, block_size, dim = pool.shape
+        _, _, kv_heads, block_size, dim = pool.shape
         out = torch.empty_like(q)
         self._attn(q.data_ptr(), pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                    context_lens.data_ptr(), query_lens.data_ptr(), q_starts.data_ptr(), context_lens.shape[0],
@@ -122,8 +124,8 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=COMPILE_TIMEOUT_S)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -139,10 +141,9 @@ def load_cpu_kernels() -> CpuKernels | None:
     if compiler is None:
         log.info("no C compiler: CPU layers use torch's ops only")
         return None
-    from specray.models.presets import cache_root
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
+    parts = [*(p.read_text() for p in SOURCES), version, " ".join(FLAGS), _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
     try:
         if not target.exists():

@@ -30,13 +30,14 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-# On CPU, BLAS re-packs the whole weight on every GEMM call, which doubles the memory
-# traffic of a decode step once a matmul has a few rows (batched decode, k + 1 verify
-# rows). Linear layers therefore also keep a oneDNN copy packed once at load time and use
-# it from PACKED_MIN_ROWS rows up; below that the dense weight's GEMV path is as fast.
-# Measured on the 2-core CPU box, 1024 x 5632 float32: 8 rows 2.15 -> 1.06 ms, 1 row 0.62 -> 0.66 ms.
-# From 2 to 8 rows, specray's own kernel (cpu_kernels.small_gemm) beats both; one row stays
-# on BLAS's GEMV, which already streams the weight at memory speed.
+# CPU linears pick a kernel by row count:
+# - 1 row: BLAS's GEMV on the dense weight, which already streams it at memory speed;
+# - 2-8 rows (batched decode, k + 1 verify rows): specray's small-row kernel
+#   (cpu_kernels.small_gemm, when it could be built) on the dense weight;
+# - more rows (prefill), or from PACKED_MIN_ROWS without specray's kernel: a oneDNN copy of
+#   the weight packed once at load time. BLAS would re-pack the whole weight on every call,
+#   which doubles the memory traffic at a few rows (1024 x 5632 float32 at 8 rows on the
+#   2-core box: 2.15 ms re-packing, 1.06 ms packed once).
 PACKED_MIN_ROWS = 4
 
 
