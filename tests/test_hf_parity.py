@@ -36,6 +36,19 @@ def test_greedy_matches_transformers(family_case, tokens_per_block):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_greedy_matches_transformers_on_torch_ops_only(family_case, monkeypatch):
+    # where specray's CPU kernels cannot be built, every layer runs on torch ops
+    from specray.models import attention, decoder, layers
+
+    for module in (attention, decoder, layers):
+        monkeypatch.setattr(module, "load_cpu_kernels", lambda: None)
+    directory, prompts, expected, _ = family_case
+    config = EngineConfig(model=str(directory), kv=KVConfig(tokens_per_block=32, capacity_tokens=4096))
+    with LLM(config) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_logits_close_to_transformers(family_case):
     # Tolerance: both sides are float32, but specray fuses q/k/v and gate/up into one matmul,
     # gathers K/V from pages and sums MoE experts with index_add, so each op may round
