@@ -33,7 +33,9 @@ from specray.models.presets import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_TIMEOUT_S = 120
 
@@ -142,7 +144,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         log.info("no C compiler: CPU layers use torch's ops only")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = [*(p.read_text() for p in SOURCES), version, " ".join(FLAGS), _cpu_flags()]
+    parts = [*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
     try:

@@ -5,6 +5,7 @@
  * - specray_paged_attention: attention of each sequence's queries to its cached keys read
  *   in place from the paged pool (no gather, no copies), GQA by indexing the kv head,
  *   causal or not, with a one-pass (online) softmax in float32.
+ * - specray_rope_store_kv: RoPE of q and k and the store of k and v into the pool.
  *
  * Each output is computed by one thread in a fixed order, so results do not depend on the
  * thread count (ranks computing the same thing agree bit for bit).
@@ -13,20 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float lane_sum(vec v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; ++i) s += v[i];
-    return s;
-}
+#include "vec.h"
 
 /* sum of a[i] * b[i] over n floats: 16 lane sums, then the lanes, then the tail */
 static inline float dot(const float *a, const float *b, int64_t n) {

@@ -7,37 +7,17 @@
  * every 16-float slice into one accumulator per (row of x, row of w) (measured over
  * mid-llama's layer weights at 8 rows: 22 ms against oneDNN's 29-31 ms).
  *
- * The vectors are GCC vector extensions, so the compiler maps them to AVX-512, AVX2 or NEON
- * for the machine it is built on (specray builds it there, with -march=native). Each output
- * is summed in a fixed order (16 lane sums over k, then the lanes in order), whatever the
- * number of threads, so every rank computing the same product gets the same bits.
+ * specray builds it on the machine that runs it (-march=native; vectors in vec.h). Each
+ * output is summed in a fixed order (16 lane sums over k, then the lanes as a fixed tree),
+ * whatever the number of threads, so every rank computing the same product gets the same
+ * bits.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "vec.h"
 
 #define SMALL_GEMM_MAX_ROWS 8
-#define LANES 16
 #define PREFETCH_FLOATS 1024 /* 4 KB ahead in each row of w being read */
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
-
-/* The 16 lanes summed as a tree (8 + 8, 4 + 4, then four scalars): a fixed order, and a
- * few shuffles instead of 15 dependent scalar adds. */
-static inline float lane_sum(vec v) {
-    half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
-}
 
 /* Outputs n .. n + C - 1 for all M rows. C and M are compile-time constants at every call
  * site (see ROWS below), so the M x C accumulators live in registers. */
