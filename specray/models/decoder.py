@@ -30,9 +30,9 @@ from specray.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    RotaryEmbedding,
     apply_rope,
 )
 
