@@ -98,3 +98,9 @@ def test_rope_store_kv_matches_the_torch_path_bit_for_bit():
     write_kv(pool_t, k_t, view[:, heads + kv_heads:], slots)
     # the kernel rounds the two products and their sum separately, as torch does: exact
     assert torch.equal(q_c, q_t) and torch.equal(k_c, k_t) and torch.equal(pool_c, pool_t)
+
+
+def test_linear_with_mismatched_shapes_raises_torch_error():
+    # the kernel must never read past a weight: a mismatch goes to torch, which names it
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        layers.linear(torch.randn(3, 8), torch.randn(4, 16), None, None)

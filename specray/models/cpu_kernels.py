@@ -68,8 +68,9 @@ class CpuKernels:
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``small_gemm`` takes this product."""
+        # anything else (a shape mismatch included) goes to torch, which checks and raises
         return (x.dim() == 2 and 1 <= x.shape[0] <= self.max_rows and x.dtype == weight.dtype == torch.float32
-                and x.device.type == "cpu" and weight.is_contiguous())
+                and x.device.type == "cpu" and weight.is_contiguous() and x.shape[1] == weight.shape[1])
 
     def small_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for 1..max_rows rows."""
