@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specray.models import attention
+from specray.models import cpu_kernels
 from specray.models.attention import AttentionMetadata, paged_attention, write_kv
 
 KV_HEADS, HEADS, DIM = 2, 4, 16
@@ -33,7 +33,7 @@ def _reference(q, keys, values, query_len: int, causal: bool) -> torch.Tensor:
 ])
 def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_lens, use_kernels, monkeypatch):
     if not use_kernels:  # the torch path that serves where specray's C kernels cannot be built
-        monkeypatch.setattr(attention, "load_cpu_kernels", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(block_size)
     lengths = [c + n for c, n in zip(cached_lens, query_lens)]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2

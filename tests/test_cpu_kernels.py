@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specray.models import layers
+from specray.models import cpu_kernels, layers
 from specray.models.cpu_kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
@@ -56,14 +56,14 @@ def test_rms_norm_matches_the_torch_formula(rows, dim, monkeypatch):
     norm = layers.RMSNorm(dim, 1e-6, torch.float32, torch.device("cpu"))
     norm.weight.data.copy_(weight)
     fused = norm(x)
-    monkeypatch.setattr(layers, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     # Tolerance: the kernel sums squares in 16 lanes and uses 1/sqrtf, torch reduces in its
     # own order and uses rsqrt; both are float32 and agree to a few ulps.
     torch.testing.assert_close(fused, norm(x), rtol=1e-6, atol=1e-6)
 
 
 def test_linear_falls_back_to_torch_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(layers, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
     torch.testing.assert_close(layers.linear(x, w, None, None), F.linear(x, w))
@@ -87,7 +87,7 @@ def test_rope_store_kv_matches_the_torch_path_bit_for_bit():
     rows, heads, kv_heads, dim, block_size = 5, 4, 2, 16, 8
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
     rotary = layers.RotaryEmbedding(dim, 10000.0, torch.device("cpu"))
-    cos, sin = rotary(torch.tensor([0, 3, 7, 8, 30]))
+    cos, sin = rotary(torch.tensor([0, 3, 7, 8, 30]), 31)
     slots = torch.tensor([1, 9, 17, 18, 40])
     pool_c, pool_t = torch.zeros(6, 2, kv_heads, block_size, dim), torch.zeros(6, 2, kv_heads, block_size, dim)
 

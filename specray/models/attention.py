@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specray.models.cpu_kernels import MAX_HEAD_DIM, load_cpu_kernels
+from specray.models.cpu_kernels import CpuKernels, kernels_for
 
 # Kernel capability: the page sizes this kernel accepts. It gathers whole pages with an
 # index and masks by length, so any power of two works; powers of two keep the slot
@@ -47,21 +47,17 @@ class AttentionMetadata:
         if not self.context_lens_list:
             self.context_lens_list = self.context_lens.tolist()
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
 
 def build_metadata(tables: list[list[int]], block_size: int, starts: list[int], query_lens: list[int],
-                   device: torch.device, *, causal: bool = True,
-                   context_lens: list[int] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                   device: torch.device, *, causal: bool = True) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) for ``query_lens[i]`` new tokens of sequence i at positions
-    ``starts[i] ...``; keys visible up to ``context_lens[i]`` (default: the last new token)."""
+    ``starts[i] ...``. Causal: each query sees the keys up to its own position; otherwise every
+    query sees all keys up to the last new token."""
     width = max(1, max(len(t) for t in tables))
     positions = [p for start, n in zip(starts, query_lens) for p in range(start, start + n)]
     slots = [table[p // block_size] * block_size + p % block_size
              for table, start, n in zip(tables, starts, query_lens) for p in range(start, start + n)]
-    ends = context_lens if context_lens is not None else [p + n for p, n in zip(starts, query_lens)]
+    ends = [p + n for p, n in zip(starts, query_lens)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device),
@@ -76,46 +72,77 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
     pool[slot_mapping // block_size, :, :, slot_mapping % block_size] = torch.stack((k, v), dim=1)
 
 
+def query_layout(query_lens: list[int], context_lens: list[int], causal: bool, num_keys: int,
+                 device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+    """For batched kernels that pad every sequence's queries to the longest (n) and its keys
+    to ``num_keys``: the (sequence, row) of each real query, or None when none is padded, and
+    which keys each query sees, [S, 1 or n, num_keys] (by length, and by position when causal).
+
+    Query j of sequence i sits at position context_i - query_len_i + j; a padded row sits at
+    or past context_i, so it sees every key and never yields an empty softmax."""
+    n = max(query_lens)
+    padded = None
+    if any(m != n for m in query_lens):
+        padded = (torch.tensor([i for i, m in enumerate(query_lens) for _ in range(m)], device=device),
+                  torch.tensor([j for m in query_lens for j in range(m)], device=device))
+    ctx = torch.tensor(context_lens, device=device)
+    key_pos = torch.arange(num_keys, device=device)
+    visible = key_pos[None, None, :] < ctx[:, None, None]
+    if causal:
+        query_pos = ctx[:, None] - torch.tensor(query_lens, device=device)[:, None] + torch.arange(n, device=device)
+        visible = visible & (key_pos[None, None, :] <= query_pos[:, :, None])
+    return padded, visible
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [N, heads, head_dim] (already rotated); returns [N, heads, head_dim].
 
     Whole prompts (causal, nothing cached before them) attend to their own fresh k/v with
     SDPA's causal kernel, one call per prompt; every other sequence (decode, verify rows)
-    is served by one batched call over the pool (``_attend_cached``)."""
+    is served by one batched call over the pool: specray's C kernel reads the pages in place
+    where it can (float32 on CPU), torch ops gather them otherwise."""
     block_size = pool.shape[3]
     plan = meta.derived.get(("paged", block_size))
     if plan is None:
-        plan = meta.derived[("paged", block_size)] = _Plan.build(meta, block_size, q.device)
+        plan = meta.derived[("paged", block_size)] = _Plan.build(meta, q, pool)
     if not plan.prompts:
-        return _attend_cached(q, pool, plan, scale)
+        return plan.attend_cached(q, pool, scale)
     out = torch.empty_like(q)
     for s, e in plan.prompts:
         out[s:e] = _attend_fresh(q[s:e], k[s:e], v[s:e], scale)
     if plan.rows is not None:
-        out[plan.rows] = _attend_cached(q[plan.rows], pool, plan, scale)
+        out[plan.rows] = plan.attend_cached(q[plan.rows], pool, scale)
     return out
+
+
+def _use_cpu_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuKernels | None:
+    """specray's CPU kernels where they can serve this attention, else None."""
+    kernels = kernels_for(pool) if q.dtype == pool.dtype else None
+    return kernels if kernels is not None and pool.shape[4] <= kernels.max_head_dim else None
 
 
 @dataclass(slots=True)
 class _Plan:
-    """How one step's sequences split between the two paths, and the batched path's gather
-    index and mask: the same for every layer, so built once per step."""
+    """How one step's sequences split between the two paths, and what the batched path needs:
+    the same for every layer, so built once per step, for the path that will serve."""
 
     prompts: list[tuple[int, int]]  # query rows [s, e) of each whole prompt
-    rows: torch.Tensor | None  # query rows of the cached sequences (None: none cached)
-    index: torch.Tensor  # pages to gather, [S * used]
-    num_seqs: int
-    num_pages: int  # pages gathered per sequence
-    n: int  # queries per sequence, padded to the longest
-    padded: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, row) of each real query; None if uniform
-    hidden: torch.Tensor  # [S, 1 or n, num_pages * B]: the keys each query must not see
-    # the same sequences as the C kernel takes them: tables, context and query lengths, first rows
-    kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    rows: torch.Tensor | None  # query rows of the cached sequences (None: all or none are)
     causal: bool
+    kernels: CpuKernels | None  # specray's CPU kernels when they serve, else the torch path below
+    # C kernel: block tables, context lengths, query lengths, first query row, per sequence
+    kernel_args: tuple[torch.Tensor, ...] = ()
+    # torch path: pages to gather [S * num_pages], padded query rows, keys each query must not see
+    index: torch.Tensor | None = None
+    num_pages: int = 0
+    n: int = 0
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None
 
     @staticmethod
-    def build(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    def build(meta: AttentionMetadata, q: torch.Tensor, pool: torch.Tensor) -> _Plan:
+        device, block_size = q.device, pool.shape[3]
         lens, ctx = meta.query_lens, meta.context_lens_list
         starts = [0]
         for n in lens:
@@ -126,30 +153,29 @@ class _Plan:
         rows = None
         if prompts and cached:
             rows = torch.tensor([r for i in cached for r in range(starts[i], starts[i + 1])], device=device)
+        plan = _Plan(prompts, rows, meta.causal, _use_cpu_kernel(q, pool))
         if not cached:
-            return _Plan(prompts, None, torch.empty(0), 0, 0, 0, None, torch.empty(0), (), meta.causal)
+            return plan
         lens, ctx = [lens[i] for i in cached], [ctx[i] for i in cached]
-        num_pages = -(-max(ctx) // block_size)
         tables = meta.block_tables if not prompts else meta.block_tables[cached]
-        n, keys = max(lens), num_pages * block_size
-        padded = None
-        if any(m != n for m in lens):
-            padded = (torch.tensor([i for i, m in enumerate(lens) for _ in range(m)], device=device),
-                      torch.tensor([j for m in lens for j in range(m)], device=device))
-        # query j of sequence i sits at position ctx_i - n_i + j (padded rows: at or past ctx_i)
-        ctx_t = torch.tensor(ctx, device=device)
-        key_pos = torch.arange(keys, device=device)
-        mask = key_pos[None, None, :] < ctx_t[:, None, None]
-        if meta.causal:
-            query_pos = ctx_t[:, None] - torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
-            mask = mask & (key_pos[None, None, :] <= query_pos[:, :, None])
-        q_starts = [0]
-        for m in lens[:-1]:
-            q_starts.append(q_starts[-1] + m)
-        kernel_args = (tables.contiguous(), ctx_t, torch.tensor(lens, device=device),
-                       torch.tensor(q_starts, device=device))
-        return _Plan(prompts, rows, tables[:, :num_pages].reshape(-1), len(lens), num_pages, n, padded, ~mask,
-                     kernel_args, meta.causal)
+        if plan.kernels is not None:
+            firsts = [0]
+            for m in lens[:-1]:
+                firsts.append(firsts[-1] + m)
+            plan.kernel_args = (tables.contiguous(), *(torch.tensor(x, device=device) for x in (ctx, lens, firsts)))
+            return plan
+        plan.num_pages = -(-max(ctx) // block_size)
+        plan.n = max(lens)
+        plan.index = tables[:, :plan.num_pages].reshape(-1)
+        plan.padded, visible = query_layout(lens, ctx, meta.causal, plan.num_pages * block_size, device)
+        plan.hidden = ~visible
+        return plan
+
+    def attend_cached(self, q: torch.Tensor, pool: torch.Tensor, scale: float) -> torch.Tensor:
+        """Every cached sequence at once."""
+        if self.kernels is not None:
+            return self.kernels.paged_attention(q.contiguous(), pool, *self.kernel_args, self.causal, scale)
+        return _attend_gathered(q, pool, self, scale)
 
 
 def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -159,16 +185,10 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return o.transpose(0, 1)
 
 
-def _attend_cached(q: torch.Tensor, pool: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
-    """Every cached sequence at once: specray's C kernel reads the pages in place where it
-    can (float32 on CPU); otherwise gather their pages (one index_select per K and V), pad
-    the queries to the longest, mask by length (and position when causal)."""
-    if (q.dtype == pool.dtype == torch.float32 and q.device.type == "cpu" and pool.is_contiguous()
-            and pool.shape[4] <= MAX_HEAD_DIM):
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return kernels.paged_attention(q.contiguous(), pool, *plan.kernel_args, plan.causal, scale)
-    num_seqs, n = plan.num_seqs, plan.n
+def _attend_gathered(q: torch.Tensor, pool: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    """The torch path: gather the sequences' pages (one index_select per K and V), pad the
+    queries to the longest, mask what each query must not see."""
+    num_seqs, n = plan.hidden.shape[0], plan.n
     kv_heads, block_size, dim = pool.shape[2], pool.shape[3], pool.shape[4]
     heads = q.shape[1]
     group, keys = heads // kv_heads, plan.num_pages * block_size

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.models.attention import AttentionMetadata
+from specray.models.attention import AttentionMetadata, query_layout
 
 TILE_TOKENS = 64
 # Kernel capability: the kernel views whole pages as 64-token tiles, so a page must divide
@@ -71,7 +71,7 @@ class _TilePlan:
     n: int  # queries per sequence, padded to the longest
     num_tiles: int
     padded: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, row) of each real query
-    hidden: torch.Tensor  # [S, n, tiles, 64]: keys a query must not see
+    hidden: torch.Tensor  # [S, 1 or n, tiles, 64]: keys a query must not see
 
     @staticmethod
     def build(meta: AttentionMetadata, block_size: int, device: torch.device) -> _TilePlan:
@@ -82,14 +82,6 @@ class _TilePlan:
         tables = meta.block_tables[:, :wanted]
         if tables.shape[1] < wanted:  # the last tile may reach past every table: pad, then mask
             tables = torch.cat([tables, tables.new_zeros(num_seqs, wanted - tables.shape[1])], dim=1)
-        padded = None
-        if any(m != n for m in lens):
-            padded = (torch.tensor([i for i, m in enumerate(lens) for _ in range(m)], device=device),
-                      torch.tensor([j for m in lens for j in range(m)], device=device))
-        key_pos = torch.arange(num_tiles * TILE_TOKENS, device=device).view(num_tiles, TILE_TOKENS)
-        ctx_t = torch.tensor(ctx, device=device)
-        visible = key_pos[None, None] < ctx_t[:, None, None, None]  # [S, 1, tiles, 64]
-        if meta.causal:  # query j of sequence i sits at position ctx_i - n_i + j (padded rows: past it)
-            query_pos = ctx_t[:, None] - torch.tensor(lens, device=device)[:, None] + torch.arange(n, device=device)
-            visible = visible & (key_pos[None, None] <= query_pos[:, :, None, None])
-        return _TilePlan(tables.reshape(-1), num_seqs, n, num_tiles, padded, ~visible.expand(num_seqs, n, -1, -1))
+        padded, visible = query_layout(lens, ctx, meta.causal, num_tiles * TILE_TOKENS, device)
+        hidden = ~visible.view(num_seqs, -1, num_tiles, TILE_TOKENS)
+        return _TilePlan(tables.reshape(-1), num_seqs, n, num_tiles, padded, hidden)

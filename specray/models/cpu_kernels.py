@@ -40,9 +40,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_TIMEOUT_S = 120
 
 
-MAX_HEAD_DIM = 512  # decode_ops.c keeps one head's accumulator on the stack
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
@@ -65,12 +62,13 @@ class CpuKernels:
         self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
         self.max_rows = lib.specray_small_gemm_max_rows()
+        self.max_head_dim = lib.specray_max_head_dim()  # paged_attention's limit
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``small_gemm`` takes this product."""
-        # anything else (a shape mismatch included) goes to torch, which checks and raises
-        return (x.dim() == 2 and 1 <= x.shape[0] <= self.max_rows and x.dtype == weight.dtype == torch.float32
-                and x.device.type == "cpu" and weight.is_contiguous() and x.shape[1] == weight.shape[1])
+        """Whether ``small_gemm`` takes this product of contiguous float32 CPU tensors (see
+        ``kernels_for``); anything else, a shape mismatch included, goes to torch, which checks
+        and raises."""
+        return x.dim() == 2 and 1 <= x.shape[0] <= self.max_rows and x.shape[1] == weight.shape[1]
 
     def small_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for 1..max_rows rows."""
@@ -144,7 +142,11 @@ def load_cpu_kernels() -> CpuKernels | None:
     if compiler is None:
         log.info("no C compiler: CPU layers use torch's ops only")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not run the C compiler %s (%s); using torch's ops", compiler, e)
+        return None
     parts = [*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
@@ -156,3 +158,10 @@ def load_cpu_kernels() -> CpuKernels | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build specray's CPU kernels (%s); using torch's ops", detail)
         return None
+
+
+def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
+    """specray's CPU kernels when every tensor is a contiguous float32 CPU tensor, else None."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return load_cpu_kernels()
+    return None

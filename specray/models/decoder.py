@@ -24,7 +24,7 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.models.arch import ModelArch
 from specray.models.attention import AttentionMetadata, paged_attention, write_kv
-from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models.cpu_kernels import kernels_for
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -35,14 +35,6 @@ from specray.models.layers import (
     VocabParallelEmbedding,
     apply_rope,
 )
-
-
-def fused_rope_kernels(qkv: torch.Tensor, pool: torch.Tensor):
-    """specray's CPU kernels where they can rotate and store this step's q/k/v, else None."""
-    if qkv.dtype == pool.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() \
-            and pool.is_contiguous():
-        return load_cpu_kernels()
-    return None
 
 
 class Attention(nn.Module):
@@ -66,7 +58,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         heads, kv_heads, dim = self.num_local_heads, self.num_local_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        kernels = fused_rope_kernels(qkv, pool) if self.q_norm is None else None
+        kernels = kernels_for(qkv, pool) if self.q_norm is None else None
         if kernels is not None:  # RoPE and the K/V store in one call
             q, k = kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, pool, meta.slot_mapping)
             v = qkv.view(-1, heads + 2 * kv_heads, dim)[:, heads + kv_heads:]
@@ -201,7 +193,7 @@ class CausalLM(nn.Module):
         ``(hidden, captured)``: ``captured[i]`` is the residual stream after layer
         ``capture_layers[i]``. ``pools`` may hold more layers than the model (a one-model
         drafter's layers come last); the model uses the first ``num_layers``."""
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         x = self.embed_tokens(ids)
         captured = {}
         for i, (layer, pool) in enumerate(zip(self.layers, pools)):

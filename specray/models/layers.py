@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
-from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models.cpu_kernels import kernels_for
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -50,10 +50,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     rows = x.shape[0] if x.dim() == 2 else 0
-    if rows >= 2 and x.device.type == "cpu":
-        kernels = load_cpu_kernels()
-        if kernels is not None and kernels.accepts(x, weight):
-            return kernels.small_gemm(x, weight, bias)
+    kernels = kernels_for(x, weight) if rows >= 2 else None
+    if kernels is not None and kernels.accepts(x, weight):
+        return kernels.small_gemm(x, weight, bias)
     if packed is not None and rows >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -66,10 +65,9 @@ class RMSNorm(nn.Module):
         self.weight = _empty(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
-            kernels = load_cpu_kernels()
-            if kernels is not None:  # one fused call instead of seven ops
-                return kernels.rms_norm(x, self.weight, self.eps)
+        kernels = kernels_for(x)
+        if kernels is not None:  # one fused call instead of seven ops
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Computed in float32 and cast back, as transformers does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -97,10 +95,11 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
-            self._grow(max(needed, 2 * self.cos.shape[0]))
+    def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``end``: one past the largest position, which callers know from their metadata (so
+        no device value is read back on the hot path)."""
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0]))
         return self.cos[positions], self.sin[positions]
 
 

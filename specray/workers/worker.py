@@ -26,6 +26,7 @@ from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
+from specray.models.drafters.common import last_rows
 from specray.models.loader import CheckpointReader
 from specray.models.presets import resolve_model
 from specray.workers.cpu_malloc import tune_cpu_malloc
@@ -149,6 +150,5 @@ class RankWorker:
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
-        last = torch.tensor(query_lens, device=hidden.device).cumsum(0) - 1
-        logits = self.model.logits(hidden[last])
+        logits = self.model.logits(hidden[last_rows(query_lens, hidden.device)])
         return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])

@@ -16,6 +16,10 @@
 
 #include "vec.h"
 
+#define MAX_HEAD_DIM 512 /* one head's accumulator lives on the stack */
+
+int specray_max_head_dim(void) { return MAX_HEAD_DIM; }
+
 /* sum of a[i] * b[i] over n floats: 16 lane sums, then the lanes, then the tail */
 static inline float dot(const float *a, const float *b, int64_t n) {
     vec acc = {0};
@@ -51,7 +55,7 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
         for (int64_t h = 0; h < heads; ++h) {
             const int64_t kvh = h / group, ctx = context_lens[s], n = query_lens[s];
             const int64_t *table = block_tables + s * width;
-            float acc[512]; /* dim <= 512 (checked by the caller) */
+            float acc[MAX_HEAD_DIM]; /* the caller checks dim <= MAX_HEAD_DIM */
             for (int64_t j = 0; j < n; ++j) {
                 const float *qv = q + ((q_starts[s] + j) * heads + h) * dim;
                 const int64_t visible = causal ? ctx - n + j + 1 : ctx;

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
 FINAL_HIDDEN = -1  # in ``feature_layers``: the target's output after its final norm
 
 Choose = Callable[[torch.Tensor, int], torch.Tensor]

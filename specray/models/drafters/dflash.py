@@ -94,12 +94,12 @@ class DFlashDrafter(nn.Module):
         ctx_starts = [s.num_consumed for s in seqs]
         ctx_lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
         ctx_pos, ctx_meta = build_metadata(tables, batch.block_size, ctx_starts, ctx_lens, dev)
-        ctx_cos, ctx_sin = self.rotary(ctx_pos)
+        ctx_cos, ctx_sin = self.rotary(ctx_pos, max(ctx_meta.context_lens_list))
         context = self.hidden_norm(self.fc(torch.cat([s.features for s in seqs])))
 
         starts = [len(s.tokens) - 1 for s in seqs]
         positions, meta = build_metadata(tables, batch.block_size, starts, [k + 1] * len(seqs), dev, causal=False)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         ids = torch.tensor([t for s in seqs for t in [s.tokens[-1]] + [self.mask_token_id] * k], device=dev)
         x = self.target[0].embed_tokens(ids)
         for layer, pool in zip(self.layers, batch.pools):

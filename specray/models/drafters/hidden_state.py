@@ -76,7 +76,7 @@ class HiddenStateDrafter(nn.Module):
         target = self.target[0]
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         x = self.eh_proj(torch.cat([self.enorm(target.embed_tokens(ids)), self.hnorm(features)], dim=-1))
         g = self.layer(x, cos, sin, batch.pools[0], meta)[last_rows(lens, batch.device)]
         return target.logits(self.norm(g)), g
