@@ -50,9 +50,10 @@ def test_greedy_matches_transformers_on_torch_ops_only(family_case, monkeypatch)
 
 def test_logits_close_to_transformers(family_case):
     # Tolerance: both sides are float32, but specray fuses q/k/v and gate/up into one matmul,
-    # gathers K/V from pages and sums MoE experts with index_add, so each op may round
-    # differently by a few ulp; through two layers that stays far below 1e-4 on logits of
-    # order 0.1-1, while any real bug (a wrong rotation, mask or shard) moves them by > 1e-2.
+    # runs its own CPU kernels (small-row GEMM, RMSNorm, attention over pages) and sums MoE
+    # experts with index_add, so each op may round differently by a few ulp; through two
+    # layers that stays far below 1e-4 on logits of order 0.1-1, while any real bug (a wrong
+    # rotation, mask or shard) moves them by > 1e-2.
     directory, prompts, _, reference = family_case
     prompt = prompts[2]
     model = load_model(directory, DistContext.single("cpu"), "float32")
