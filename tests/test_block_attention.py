@@ -1,10 +1,12 @@
-"""The drafters' block-decode kernel against the paged-attention kernel."""
+"""The drafters' block-decode kernel (its C path and its tile path) against the torch path
+of the paged-attention kernel, which test_attention.py checks against dense attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specray.models import cpu_kernels
 from specray.models.attention import AttentionMetadata, paged_attention
 from specray.models.block_attention import block_decode_attention
 
@@ -28,15 +30,21 @@ def _case(block_size: int, lengths: list[int], query_lens: list[int], causal: bo
     return q, pool, meta
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["c-kernel", "tiles"])
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_decode_matches_paged_attention(block_size, causal):
+def test_block_decode_matches_paged_attention(block_size, causal, use_kernels, monkeypatch):
     q, pool, meta = _case(block_size, lengths=[5, 64, 130, 200], query_lens=[1, 4, 8, 3], causal=causal)
-    # Tolerance: the tiled kernel sums in float32 per 64-token tile and rescales, SDPA sums
-    # in one pass: the two agree to float32 rounding (~1e-6), far below any indexing error.
-    torch.testing.assert_close(block_decode_attention(q, None, None, pool, meta, 0.25),
-                               paged_attention(q, None, None, pool, meta, 0.25),
-                               rtol=1e-5, atol=1e-5)
+    if not use_kernels:
+        monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    out = block_decode_attention(q, None, None, pool, meta, 0.25)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)  # the reference: torch's gather path
+    meta.derived.clear()
+    expected = paged_attention(q, None, None, pool, meta, 0.25)
+    # Tolerance: the kernels sum in float32 in different orders (per 64-token tile and
+    # rescaled, one online pass, or one softmax): they agree to float32 rounding (~1e-6),
+    # far below any indexing error.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -116,7 +116,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     return out
 
 
-def _use_cpu_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuKernels | None:
+def kernel_args(tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
+                device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What the C paged-attention kernel takes per sequence: block tables, context lengths,
+    query lengths and each sequence's first query row."""
+    firsts = [0]
+    for n in query_lens[:-1]:
+        firsts.append(firsts[-1] + n)
+    return tables.contiguous(), *(torch.tensor(x, device=device) for x in (context_lens, query_lens, firsts))
+
+
+def use_cpu_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuKernels | None:
     """specray's CPU kernels where they can serve this attention, else None."""
     kernels = kernels_for(pool) if q.dtype == pool.dtype else None
     return kernels if kernels is not None and pool.shape[4] <= kernels.max_head_dim else None
@@ -153,16 +163,13 @@ class _Plan:
         rows = None
         if prompts and cached:
             rows = torch.tensor([r for i in cached for r in range(starts[i], starts[i + 1])], device=device)
-        plan = _Plan(prompts, rows, meta.causal, _use_cpu_kernel(q, pool))
+        plan = _Plan(prompts, rows, meta.causal, use_cpu_kernel(q, pool))
         if not cached:
             return plan
         lens, ctx = [lens[i] for i in cached], [ctx[i] for i in cached]
         tables = meta.block_tables if not prompts else meta.block_tables[cached]
         if plan.kernels is not None:
-            firsts = [0]
-            for m in lens[:-1]:
-                firsts.append(firsts[-1] + m)
-            plan.kernel_args = (tables.contiguous(), *(torch.tensor(x, device=device) for x in (ctx, lens, firsts)))
+            plan.kernel_args = kernel_args(tables, lens, ctx, device)
             return plan
         plan.num_pages = -(-max(ctx) // block_size)
         plan.n = max(lens)

@@ -1,9 +1,11 @@
 """Block-decode attention: the kernel the standalone drafters run.
 
 It attends a block of queries (one draft token, or DFlash's [last token, mask x k]) to a
-sequence's cached K/V in fixed 64-token tiles, flash-decoding style: each tile computes its
-own max, sum and weighted values, and the tiles are combined at the end. A tile is one
-or two whole pages, so the pool's page size must be 32 or 64 (see the capability below).
+sequence's K/V, all read from the pool. Where specray's C kernels serve (float32 on CPU),
+the paged-attention kernel reads the pages in place. Elsewhere torch ops work in fixed
+64-token tiles, flash-decoding style: each tile computes its own max, sum and weighted
+values, and the tiles are combined at the end. A tile is one or two whole pages, so the
+pool's page size must be 32 or 64 (see the capability below).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.models.attention import AttentionMetadata, query_layout
+from specray.models.attention import AttentionMetadata, kernel_args, query_layout, use_cpu_kernel
 
 TILE_TOKENS = 64
-# Kernel capability: the kernel views whole pages as 64-token tiles, so a page must divide
+# Kernel capability: the tile path views whole pages as 64-token tiles, so a page must divide
 # 64 (pages over 64 would split across tiles, which the tile view does not do). It declares
 # 32 and 64, the sizes it is tested at: below 32 a tile needs four or more page lookups,
-# and the drafter falls back to 32-token pages instead (kv/page_size.py).
+# and the drafter falls back to 32-token pages instead (kv/page_size.py). The C path would
+# take any page, but whether it serves depends on the rank (a compiler, the dtype), and the
+# pages are agreed across ranks, so the capability is the tile path's.
 BLOCK_DECODE_PAGE_SIZES = frozenset({32, 64})
 
 
@@ -31,6 +35,13 @@ def block_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if block_size not in BLOCK_DECODE_PAGE_SIZES:
         raise ValueError(f"block-decode attention takes pages of {sorted(BLOCK_DECODE_PAGE_SIZES)} tokens, "
                          f"not {block_size}")
+    kernels = use_cpu_kernel(q, pool)
+    if kernels is not None:
+        args = meta.derived.get("kernel_args")
+        if args is None:
+            args = meta.derived["kernel_args"] = kernel_args(meta.block_tables, meta.query_lens,
+                                                             meta.context_lens_list, q.device)
+        return kernels.paged_attention(q.contiguous(), pool, *args, meta.causal, scale)
     plan = meta.derived.get(("tiles", block_size))
     if plan is None:
         plan = meta.derived[("tiles", block_size)] = _TilePlan.build(meta, block_size, q.device)
