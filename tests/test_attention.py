@@ -34,16 +34,34 @@ def _reference(q, keys, values, query_len: int, causal: bool) -> torch.Tensor:
 def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_lens, use_kernels, monkeypatch):
     if not use_kernels:  # the torch path that serves where specray's C kernels cannot be built
         monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
-    gen = torch.Generator().manual_seed(block_size)
+    _check_against_dense(block_size, causal, query_lens, cached_lens, DIM)
+
+
+@pytest.mark.parametrize("dim", [16, 24, 64])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("query_lens, cached_lens", [
+    ([1, 1], [700, 33]),  # many key tiles, and a last tile the context only partly fills
+    ([12, 3], [290, 1]),  # 24 queries of one kv head: more than one query block of the C kernel
+])
+def test_c_kernel_tiles_and_query_blocks(dim, causal, query_lens, cached_lens):
+    """The C kernel's edges: key tiles of 16 (a causal query sees part of a tile), blocks of
+    16 queries per kv head, and head sizes that are not a multiple of its 16-float vectors."""
+    if cpu_kernels.load_cpu_kernels() is None:
+        pytest.skip("specray's C kernels cannot be built here (no C compiler)")
+    _check_against_dense(16, causal, query_lens, cached_lens, dim)
+
+
+def _check_against_dense(block_size, causal, query_lens, cached_lens, dim):
+    gen = torch.Generator().manual_seed(block_size + dim)
     lengths = [c + n for c, n in zip(cached_lens, query_lens)]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
-    pool = torch.zeros(num_blocks, 2, KV_HEADS, block_size, DIM)
+    pool = torch.zeros(num_blocks, 2, KV_HEADS, block_size, dim)
     perm = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # scattered pages, block 0 unused
     tables, keys, values = [], [], []
     for length in lengths:
         tables.append([perm.pop() for _ in range(-(-length // block_size))])
-        keys.append(torch.randn(length, KV_HEADS, DIM, generator=gen))
-        values.append(torch.randn(length, KV_HEADS, DIM, generator=gen))
+        keys.append(torch.randn(length, KV_HEADS, dim, generator=gen))
+        values.append(torch.randn(length, KV_HEADS, dim, generator=gen))
     pool[0].normal_(generator=gen)  # the padding page holds finite garbage, which the mask must hide
     # cache the earlier tokens, then write this step's ones as the model does
     for table, k, v, cached in zip(tables, keys, values, cached_lens):
@@ -59,7 +77,7 @@ def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_le
     new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     write_kv(pool, new_k, new_v, new_slots)
-    q = torch.randn(sum(query_lens), HEADS, DIM, generator=gen)
+    q = torch.randn(sum(query_lens), HEADS, dim, generator=gen)
 
     out = paged_attention(q, new_k, new_v, pool, meta, 0.25)
 

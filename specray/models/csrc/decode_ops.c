@@ -4,7 +4,7 @@
  * - specray_rms_norm: y = w * (x / sqrt(mean(x^2) + eps)), float32, one row at a time.
  * - specray_paged_attention: attention of each sequence's queries to its cached keys read
  *   in place from the paged pool (no gather, no copies), GQA by indexing the kv head,
- *   causal or not, with a one-pass (online) softmax in float32.
+ *   causal or not, with an online softmax in float32 updated once per tile of 16 keys.
  * - specray_rope_store_kv: RoPE of q and k and the store of k and v into the pool.
  *
  * Each output is computed by one thread in a fixed order, so results do not depend on the
@@ -40,43 +40,174 @@ void specray_rms_norm(const float *x, const float *weight, float *y, int64_t row
     }
 }
 
+#define KEY_TILE LANES /* keys scored before one softmax update: one vector of scores (16: the
+                          * reduction tree below is written for 16) */
+#define QUERY_BLOCK 16  /* queries of one kv head that share each loaded key tile */
+
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec blend(ivec mask, vec yes, vec no) { /* C has no vector ?: */
+    return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask));
+}
+
+/* exp of every lane, for x <= 0 (scores minus their maximum): 2^k * e^r with
+ * r = x - k ln 2 in [-ln2/2, ln2/2] and a degree-6 polynomial for e^r (relative error
+ * ~2e-7). Inputs below -87 give ~1e-38 instead of 0: negligible next to the maximum's 1. */
+static inline vec exp_nonpositive(vec x) {
+    const vec lo = x - x - 87.0f;
+    x = blend(x < lo, lo, x);
+    const vec shifter = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vec k = (x * 1.44269504f + shifter) - shifter;
+    vec r = x - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 = 0.693359375 - 2.12194440e-4 */
+    vec p = r * (1.0f / 720) + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;
+    vec scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Halve every group of lanes of a and of b (group = 16 >> level lanes, adding its two
+ * halves) and place a's halved groups before b's: four levels turn 16 vectors of partial
+ * sums into one vector of their 16 totals, in order. */
+#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+static inline vec combine1(vec a, vec b) {
+    return HALVE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           HALVE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline vec combine2(vec a, vec b) {
+    return HALVE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           HALVE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+static inline vec combine3(vec a, vec b) {
+    return HALVE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           HALVE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+static inline vec combine4(vec a, vec b) {
+    return HALVE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           HALVE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* The scores q.k of KEY_TILE keys as one vector: one running sum per key, the query's
+ * chunk of LANES floats loaded once for all of them, then the 16 sums reduced together. */
+static inline vec tile_scores(const float *qv, const float *const *keys, int64_t dim) {
+    vec part[KEY_TILE];
+    if (dim % LANES) { /* odd head sizes: one dot product per key */
+        for (int t = 0; t < KEY_TILE; ++t) part[t] = (vec){dot(qv, keys[t], dim)};
+    } else {
+        for (int t = 0; t < KEY_TILE; ++t) part[t] = (vec){0};
+        for (int64_t d = 0; d < dim; d += LANES) {
+            const vec qd = load(qv + d);
+            for (int t = 0; t < KEY_TILE; ++t) part[t] += qd * load(keys[t] + d);
+        }
+    }
+    vec l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; ++i) l1[i] = combine1(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) l2[i] = combine2(l1[2 * i], l1[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) l3[i] = combine3(l2[2 * i], l2[2 * i + 1]);
+    return combine4(l3[0], l3[1]);
+}
+
+static inline vec vmax(vec a, vec b) { return blend(a > b, a, b); }
+
+static inline float lane_max(vec v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+/* One query's online softmax over the first ``count`` keys of a tile: score the whole tile
+ * as one vector (the caller pads the key pointers to KEY_TILE; lanes past count are
+ * masked), rescale what was summed under the old maximum once per tile (not once per key),
+ * then add the weighted values, the accumulator held in registers across the tile. */
+static inline void attend_tile(const float *qv, const float *const *keys, const float *const *values,
+                               int64_t count, int64_t dim, float scale, float *max, float *sum, float *acc) {
+    static const vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const ivec valid = lane < (float)count;
+    const vec scores = blend(valid, tile_scores(qv, keys, dim) * scale, lane - INFINITY);
+    const float tile_max = lane_max(scores);
+    if (tile_max > *max) {
+        const float c = expf(*max - tile_max); /* 0 on the first tile: max is -inf */
+        *sum *= c;
+        for (int64_t d = 0; d < dim; ++d) acc[d] *= c;
+        *max = tile_max;
+    }
+    const vec p = blend(valid, exp_nonpositive(scores - *max), lane - lane); /* masked keys weigh 0 */
+    *sum += lane_sum(p);
+    if (dim % LANES) {
+        for (int t = 0; t < KEY_TILE; ++t)
+            for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * values[t][d];
+        return;
+    }
+    for (int64_t d = 0; d < dim; d += LANES) {
+        vec a = load(acc + d);
+        for (int t = 0; t < KEY_TILE; ++t) a += p[t] * load(values[t] + d);
+        store(acc + d, a);
+    }
+}
+
 /* q, out: [N, heads, dim]; pool layer: [num_blocks, 2, kv_heads, block_size, dim];
  * block_tables: [S, width]; seq i has query_lens[i] rows starting at row q_starts[i], and
  * context_lens[i] keys; query j of it sits at position context_lens[i] - query_lens[i] + j
- * and, when causal, sees keys up to that position (else all context_lens[i] keys). */
+ * and, when causal, sees keys up to that position (else all context_lens[i] keys).
+ *
+ * One work item is one (sequence, kv head): its queries (every row times the heads of the
+ * GQA group) walk the keys in tiles of KEY_TILE tokens, QUERY_BLOCK queries per walk, so
+ * each key and value is loaded from memory once per block of queries and then read from L1. */
 void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
                              const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
                              float scale, int causal, float *out) {
     const int64_t group = heads / kv_heads;
     const int64_t page = 2 * kv_heads * block_size * dim; /* floats per block */
+    const int64_t v_offset = kv_heads * block_size * dim;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
-        for (int64_t h = 0; h < heads; ++h) {
-            const int64_t kvh = h / group, ctx = context_lens[s], n = query_lens[s];
+        for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+            const int64_t ctx = context_lens[s], n = query_lens[s], num_queries = n * group;
             const int64_t *table = block_tables + s * width;
-            float acc[MAX_HEAD_DIM]; /* the caller checks dim <= MAX_HEAD_DIM */
-            for (int64_t j = 0; j < n; ++j) {
-                const float *qv = q + ((q_starts[s] + j) * heads + h) * dim;
-                const int64_t visible = causal ? ctx - n + j + 1 : ctx;
-                float max = -INFINITY, sum = 0.0f;
-                for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
-                for (int64_t t = 0; t < visible; ++t) {
-                    const float *base = pool + table[t / block_size] * page + (kvh * block_size + t % block_size) * dim;
-                    const float *k = base, *v = base + kv_heads * block_size * dim;
-                    float score = dot(qv, k, dim) * scale;
-                    if (score > max) { /* rescale what was summed under the old max */
-                        float c = expf(max - score);
-                        sum *= c;
-                        for (int64_t d = 0; d < dim; ++d) acc[d] *= c;
-                        max = score;
-                    }
-                    float p = expf(score - max);
-                    sum += p;
-                    for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+            for (int64_t first = 0; first < num_queries; first += QUERY_BLOCK) {
+                const int64_t count = min64(QUERY_BLOCK, num_queries - first);
+                const float *qs[QUERY_BLOCK];
+                float *outs[QUERY_BLOCK], max[QUERY_BLOCK], sum[QUERY_BLOCK];
+                float acc[QUERY_BLOCK][MAX_HEAD_DIM]; /* the caller checks dim <= MAX_HEAD_DIM */
+                int64_t visible[QUERY_BLOCK], limit = 0;
+                for (int64_t i = 0; i < count; ++i) {
+                    const int64_t j = (first + i) / group, h = kvh * group + (first + i) % group;
+                    const int64_t row = ((q_starts[s] + j) * heads + h) * dim;
+                    qs[i] = q + row;
+                    outs[i] = out + row;
+                    visible[i] = causal ? ctx - n + j + 1 : ctx;
+                    limit = visible[i] > limit ? visible[i] : limit;
+                    max[i] = -INFINITY;
+                    sum[i] = 0.0f;
+                    for (int64_t d = 0; d < dim; ++d) acc[i][d] = 0.0f;
                 }
-                float *o = out + ((q_starts[s] + j) * heads + h) * dim;
-                for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / sum;
+                for (int64_t t0 = 0; t0 < limit; t0 += KEY_TILE) {
+                    const int64_t tile = min64(KEY_TILE, limit - t0);
+                    const float *keys[KEY_TILE], *values[KEY_TILE];
+                    for (int64_t t = 0; t < KEY_TILE; ++t) { /* past the context: the first key again, weighed 0 */
+                        const int64_t pos = t < tile ? t0 + t : t0;
+                        keys[t] = pool + table[pos / block_size] * page + (kvh * block_size + pos % block_size) * dim;
+                        values[t] = keys[t] + v_offset;
+                    }
+                    for (int64_t i = 0; i < count; ++i) {
+                        const int64_t seen = min64(tile, visible[i] - t0); /* causal: a prefix of the tile */
+                        if (seen > 0) attend_tile(qs[i], keys, values, seen, dim, scale, &max[i], &sum[i], acc[i]);
+                    }
+                }
+                for (int64_t i = 0; i < count; ++i)
+                    for (int64_t d = 0; d < dim; ++d) outs[i][d] = acc[i][d] / sum[i];
             }
         }
     }
