@@ -116,16 +116,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     return out
 
 
-def kernel_args(tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                device: torch.device) -> tuple[torch.Tensor, ...]:
-    """What the C paged-attention kernel takes per sequence: block tables, context lengths,
-    query lengths and each sequence's first query row."""
-    firsts = [0]
-    for n in query_lens[:-1]:
-        firsts.append(firsts[-1] + n)
-    return tables.contiguous(), *(torch.tensor(x, device=device) for x in (context_lens, query_lens, firsts))
-
-
 def use_cpu_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuKernels | None:
     """specray's CPU kernels where they can serve this attention, else None."""
     kernels = kernels_for(pool) if q.dtype == pool.dtype else None
@@ -169,7 +159,10 @@ class _Plan:
         lens, ctx = [lens[i] for i in cached], [ctx[i] for i in cached]
         tables = meta.block_tables if not prompts else meta.block_tables[cached]
         if plan.kernels is not None:
-            plan.kernel_args = kernel_args(tables, lens, ctx, device)
+            firsts = [0]
+            for n in lens[:-1]:
+                firsts.append(firsts[-1] + n)
+            plan.kernel_args = (tables.contiguous(), *(torch.tensor(x, device=device) for x in (ctx, lens, firsts)))
             return plan
         plan.num_pages = -(-max(ctx) // block_size)
         plan.n = max(lens)

@@ -1,8 +1,8 @@
 """Block-decode attention: the kernel the standalone drafters run.
 
 It attends a block of queries (one draft token, or DFlash's [last token, mask x k]) to a
-sequence's K/V, all read from the pool. Where specray's C kernels serve (float32 on CPU),
-the paged-attention kernel reads the pages in place. Elsewhere torch ops work in fixed
+sequence's K/V. Where specray's C kernels serve (float32 on CPU), it is the target's paged
+attention (pages read in place, whole prompts through SDPA). Elsewhere torch ops work in fixed
 64-token tiles, flash-decoding style: each tile computes its own max, sum and weighted
 values, and the tiles are combined at the end. A tile is one or two whole pages, so the
 pool's page size must be 32 or 64 (see the capability below).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.models.attention import AttentionMetadata, kernel_args, query_layout, use_cpu_kernel
+from specray.models.attention import AttentionMetadata, paged_attention, query_layout, use_cpu_kernel
 
 TILE_TOKENS = 64
 # Kernel capability: the tile path views whole pages as 64-token tiles, so a page must divide
@@ -35,13 +35,8 @@ def block_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if block_size not in BLOCK_DECODE_PAGE_SIZES:
         raise ValueError(f"block-decode attention takes pages of {sorted(BLOCK_DECODE_PAGE_SIZES)} tokens, "
                          f"not {block_size}")
-    kernels = use_cpu_kernel(q, pool)
-    if kernels is not None:
-        args = meta.derived.get("kernel_args")
-        if args is None:
-            args = meta.derived["kernel_args"] = kernel_args(meta.block_tables, meta.query_lens,
-                                                             meta.context_lens_list, q.device)
-        return kernels.paged_attention(q.contiguous(), pool, *args, meta.causal, scale)
+    if use_cpu_kernel(q, pool) is not None:  # the C kernel for cached rows, SDPA for whole prompts
+        return paged_attention(q, k, v, pool, meta, scale)
     plan = meta.derived.get(("tiles", block_size))
     if plan is None:
         plan = meta.derived[("tiles", block_size)] = _TilePlan.build(meta, block_size, q.device)
