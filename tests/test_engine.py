@@ -75,6 +75,19 @@ def test_bad_request_rejects_the_call_and_keeps_the_engine(llm, prompt, params, 
     assert llm._engine.allocator.num_free == llm._engine.allocator.num_blocks
 
 
+def test_request_longer_than_the_model_is_rejected_before_it_runs(tmp_path):
+    from checkpoints import make_checkpoint
+
+    short = make_checkpoint("llama", tmp_path / "short", max_position_embeddings=64)
+    with LLM(EngineConfig(model=str(short), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as llm:
+        with pytest.raises(ValueError, match=r"request 0: prompt \(60 tokens\) \+ max_tokens \(8\) = 68 exceeds "
+                                             r"the model's max_position_embeddings \(64\)"):
+            llm.generate([list(range(1, 61)), [1, 2]], SamplingParams(max_tokens=8))
+        ok = llm.generate([list(range(1, 57))], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(ok[0].token_ids) == 8  # exactly at the limit is served
+        assert llm._engine.allocator.num_free == llm._engine.allocator.num_blocks
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: SamplingParams(max_tokens=0), r"max_tokens \(0\) must be an integer >= 1"),
     (lambda: SamplingParams(temperature=-0.5), r"temperature \(-0.5\) must be >= 0"),

@@ -31,7 +31,7 @@ class RequestOutput:
 
 
 def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vocab_size: int,
-                      capacity_tokens: int, lookahead_tokens: int) -> None:
+                      capacity_tokens: int, lookahead_tokens: int, max_model_len: int) -> None:
     """Reject the whole call before anything runs, so no request is half served.
 
     The error names the request index, the value and the rule."""
@@ -50,6 +50,12 @@ def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vo
                 + (f" + draft lookahead ({lookahead_tokens})" if lookahead_tokens else "")
                 + f" = {need} exceeds the KV pool capacity ({capacity_tokens} tokens); "
                 f"shorten the request or give the pool more memory"
+            )
+        if len(prompt) + p.max_tokens > max_model_len:
+            raise ValueError(
+                f"request {i}: prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) = "
+                f"{len(prompt) + p.max_tokens} exceeds the model's max_position_embeddings ({max_model_len}); "
+                f"shorten the request"
             )
 
 
@@ -83,7 +89,9 @@ class EngineCore:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         prompts = [list(map(int, p)) for p in prompts]
         try:
-            validate_requests(prompts, params, self.worker.arch.vocab_size, self.capacity_tokens, self.num_draft_tokens)
+            arch = self.worker.arch
+            validate_requests(prompts, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
+                              arch.max_position_embeddings)
         except ValueError as e:
             if self.sends_outputs:
                 self.channel.send(CallEnd(error=str(e)))
