@@ -160,8 +160,8 @@ class _Plan:
         tables = meta.block_tables if not prompts else meta.block_tables[cached]
         if plan.kernels is not None:
             firsts = [0]
-            for n in lens[:-1]:
-                firsts.append(firsts[-1] + n)
+            for m in lens[:-1]:
+                firsts.append(firsts[-1] + m)
             plan.kernel_args = (tables.contiguous(), *(torch.tensor(x, device=device) for x in (ctx, lens, firsts)))
             return plan
         plan.num_pages = -(-max(ctx) // block_size)
