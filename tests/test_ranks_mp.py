@@ -27,10 +27,10 @@ SAMPLED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=5
 KV = KVConfig(tokens_per_block=16, capacity_tokens=1024)
 
 
-def config(model, tp=1, moe_tp=None, moe_ep=None, launcher="local", timeout_s=30.0) -> EngineConfig:
+def config(model, tp=1, moe_tp=None, moe_ep=None, launcher="local", timeout_s=30.0, **parallel) -> EngineConfig:
     return EngineConfig(model=str(model), kv=KV, parallel=ParallelConfig(
         tp_size=tp, moe_tp_size=moe_tp, moe_ep_size=moe_ep, launcher=launcher, timeout_s=timeout_s,
-        check_every_step=True))
+        check_every_step=True, **parallel))
 
 
 def single_rank_tokens(model) -> list[list[int]]:
@@ -111,6 +111,22 @@ def test_killed_follower_fails_generate_naming_the_rank(tiny_checkpoints):
     llm.close()
     llm.close()
     assert_nothing_left(engine)
+
+
+def test_stopped_follower_fails_generate_naming_the_rank(tiny_checkpoints):
+    """A rank that hangs without dying (SIGSTOP) is named once rank 0's gloo all-reduce times
+    out (the one-shot all-reduce names it itself; this is the torch.distributed path)."""
+    model = tiny_checkpoints("llama")
+    timeout_s = 5.0
+    llm = LLM(config(model, 2, launcher="mp", timeout_s=timeout_s, allreduce="torch"))
+    engine = llm._engine
+    error, after_s = fail_mid_call(llm, 1, signal.SIGSTOP, join_s=6 * timeout_s)
+    assert isinstance(error, RankFailure), f"generate returned or raised {error!r}"
+    assert error.ranks == [1], str(error)
+    assert f"rank 1 (pid {engine.pids[1]}) is alive but reported nothing" in str(error)
+    assert after_s < 3 * timeout_s
+    llm.close()
+    assert_nothing_left(engine)  # the stopped rank was killed with the rest
 
 
 def test_idle_longer_than_the_timeout_is_not_death(tiny_checkpoints):

@@ -22,21 +22,29 @@ class RankFailure(RuntimeError):
             time.sleep(0.02)
         errors = _error_reports(conns)
         dead = [(r, p.pid, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in errors]
-        return cls.build(what, dead, errors, detail)
+        # A rank that hangs without dying makes its peers' collectives time out while it
+        # stays silent: when nothing died and a rank timed out, the silent live ranks are it.
+        silent = [(r, p.pid) for r, p in enumerate(procs) if p.exitcode is None and r not in errors]
+        stuck = silent if not dead and any(is_timeout(e) for e in errors.values()) else []
+        return cls.build(what, dead, errors, detail, stuck=stuck)
 
     @classmethod
     def build(cls, what: str, dead: list[tuple[int, int, int | str | None]], errors: dict[int, str],
-              detail: str = "", where: dict[int, str] | None = None) -> RankFailure:
+              detail: str = "", where: dict[int, str] | None = None,
+              stuck: list[tuple[int, int]] = ()) -> RankFailure:
         """``dead``: (rank, pid, exit code); ``errors``: rank -> the error it reported;
-        ``where``: rank -> where it ran (its node), named next to the rank when given."""
+        ``where``: rank -> where it ran (its node), named next to the rank when given;
+        ``stuck``: (rank, pid) of live ranks that stayed silent while a peer timed out."""
         at = {r: f" on {w}" for r, w in (where or {}).items()}
         parts = [f"rank {r} (pid {pid}){at.get(r, '')} died ({describe_exit(code)})" for r, pid, code in dead]
+        parts += [f"rank {r} (pid {pid}){at.get(r, '')} is alive but reported nothing while its peers timed out: "
+                  f"it is stuck, stopped or in another collective" for r, pid in stuck]
         if not dead and errors:
             first = min(errors)
             parts.append(f"rank {first}{at.get(first, '')} failed: {errors[first]}")
         if detail:
             parts.append(detail)
-        blamed = [r for r, _, _ in dead] or sorted(errors)[:1]
+        blamed = [r for r, _, _ in dead] or [r for r, _ in stuck] or sorted(errors)[:1]
         summary = "; ".join(parts) or "a rank stopped without saying why"
         return cls(f"{what} failed: {summary}. The job was stopped; build a new LLM to continue.", blamed)
 
@@ -52,6 +60,11 @@ def _error_reports(conns) -> dict[int, str]:
         except (EOFError, OSError):
             pass
     return errors
+
+
+def is_timeout(error: str) -> bool:
+    """Whether a reported error is a collective or channel timeout (ours, gloo's or NCCL's)."""
+    return error.startswith("TimeoutError") or "Timed out" in error or "timed out" in error
 
 
 def describe_exit(code: int | str | None) -> str:
