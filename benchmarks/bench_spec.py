@@ -189,6 +189,7 @@ def plot(rows: list[dict], plain: dict[int, dict], path: Path) -> None:
             ax2.plot(range(1, len(rates) + 1), rates, "-o", label=f"{key[0]} k={key[1]}")
     ax1.set(xlabel="batch size", ylabel="tok/s", title=f"{TARGET}: throughput", xscale="log", xticks=batches)
     ax1.set_xticklabels([str(b) for b in batches])
+    ax1.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # log scale's own minor labels clutter
     ax2.set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance (batch 1)", ylim=(0, 1))
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
