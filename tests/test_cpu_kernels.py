@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specray.models import cpu_kernels, layers
-from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models.cpu_kernels import load_cpu_kernels, prune_stale_builds
 
 kernels = load_cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
@@ -104,3 +107,20 @@ def test_linear_with_mismatched_shapes_raises_torch_error():
     # the kernel must never read past a weight: a mismatch goes to torch, which names it
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         layers.linear(torch.randn(3, 8), torch.randn(4, 16), None, None)
+
+
+def test_a_new_build_prunes_builds_unused_for_a_month(tmp_path):
+    def build(name: str, age_days: float):
+        library = tmp_path / name / "libspecray_cpu.so"
+        library.parent.mkdir()
+        library.write_bytes(b"")
+        when = time.time() - age_days * 86400
+        os.utime(library, (when, when))
+        return library.parent
+
+    old, current = build("old", 45), build("current", 60)
+    build("recent", 3)
+    in_progress = tmp_path / "in-progress"
+    in_progress.mkdir()  # a build another process has not finished: no library yet
+    assert prune_stale_builds(tmp_path, keep=current) == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "in-progress", "recent"]

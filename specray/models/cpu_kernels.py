@@ -7,7 +7,8 @@
   whose torch cost is the number of ops, fused into one call each (see ``decode_ops.c``).
 
 They are compiled on the machine that runs them (``cc -O3 -march=native -fopenmp``, about
-two seconds) into ``$SPECRAY_CACHE/kernels/<hash of sources, compiler and CPU flags>/``.
+two seconds) into ``$SPECRAY_CACHE/kernels/<hash of sources, compiler and CPU flags>/``;
+a new build deletes the builds nothing has loaded for 30 days.
 The library links ``libgomp.so.1``, which the loader resolves to the OpenMP runtime torch
 already loaded, so the kernels share torch's threads and ``torch.set_num_threads``.
 Without a C compiler, or with ``SPECRAY_CPU_KERNELS=0``, ``load_cpu_kernels`` returns None
@@ -25,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +40,7 @@ SOURCES = sorted(CSRC.glob("*.c"))
 HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_TIMEOUT_S = 120
+STALE_BUILD_DAYS = 30  # builds of other source versions unused this long are deleted
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -133,6 +136,24 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def prune_stale_builds(root: Path, keep: Path, max_age_days: float = STALE_BUILD_DAYS) -> list[Path]:
+    """Delete the builds under ``root`` (one directory per source version) that nothing has
+    loaded for ``max_age_days``; returns what was deleted. A process that still has one
+    mapped keeps its copy (unlinking does not unmap), and a later load rebuilds it."""
+    cutoff = time.time() - max_age_days * 86400
+    removed = []
+    for build in root.iterdir():
+        library = build / "libspecray_cpu.so"
+        try:
+            stale = build != keep and build.is_dir() and library.stat().st_mtime < cutoff
+        except FileNotFoundError:  # a build in progress, or not a build at all
+            continue
+        if stale:
+            shutil.rmtree(build, ignore_errors=True)
+            removed.append(build)
+    return removed
+
+
 @functools.cache
 def load_cpu_kernels() -> CpuKernels | None:
     """The kernels, built if this machine has none cached; None where they cannot be had."""
@@ -153,6 +174,9 @@ def load_cpu_kernels() -> CpuKernels | None:
     try:
         if not target.exists():
             _build(compiler, target)
+            prune_stale_builds(target.parent.parent, keep=target.parent)
+        else:
+            os.utime(target)  # in use: not stale
         return CpuKernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
