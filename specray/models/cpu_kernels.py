@@ -136,6 +136,14 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _touch(library: Path) -> None:
+    """Mark a build as in use, so no newer build prunes it (a read-only cache stays as it is)."""
+    try:
+        os.utime(library)
+    except OSError:
+        pass
+
+
 def prune_stale_builds(root: Path, keep: Path, max_age_days: float = STALE_BUILD_DAYS) -> list[Path]:
     """Delete the builds under ``root`` (one directory per source version) that nothing has
     loaded for ``max_age_days``; returns what was deleted. A process that still has one
@@ -176,7 +184,7 @@ def load_cpu_kernels() -> CpuKernels | None:
             _build(compiler, target)
             prune_stale_builds(target.parent.parent, keep=target.parent)
         else:
-            os.utime(target)  # in use: not stale
+            _touch(target)
         return CpuKernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
