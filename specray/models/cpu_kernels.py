@@ -154,7 +154,7 @@ def prune_stale_builds(root: Path, keep: Path, max_age_days: float = STALE_BUILD
         library = build / "libspecray_cpu.so"
         try:
             stale = build != keep and build.is_dir() and library.stat().st_mtime < cutoff
-        except FileNotFoundError:  # a build in progress, or not a build at all
+        except OSError:  # a build in progress, not a build at all, or not ours to read
             continue
         if stale:
             shutil.rmtree(build, ignore_errors=True)
