@@ -7,7 +7,8 @@ import time
 
 
 class RankFailure(RuntimeError):
-    """A rank died or failed; ``ranks`` names those that died (or else the one that failed)."""
+    """A rank died, hung or failed; ``ranks`` names those that died, else those that hung
+    (alive and silent while a peer timed out), else the first that failed."""
 
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message)
