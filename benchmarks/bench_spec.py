@@ -22,8 +22,10 @@ tests never time anything). ``efficiency`` = decode x / ideal: what the step loo
 top of the two forwards (scheduling, rollback, verification, plan traffic).
 
 transformers' assisted generation (``assistant_model``, constant ``num_assistant_tokens``
-= k) runs at batch 1 on the same pair, next to transformers' plain greedy generate, in this
-process with the same threads as specray's TP=1 rows (default: every core).
+= k) runs at batch 1 on the same pair against specray's draft_model, next to transformers'
+plain greedy generate, in ``--rounds`` alternating rounds (specray, assisted, plain; the
+fastest of each counts), in this process with the same threads as specray's TP=1 rows
+(default: every core).
 
 Forced-acceptance rows fix AL whatever the drafts are, so it measures the
 engine rather than the random-weight drafters; it changes the output tokens (the quick
@@ -116,8 +118,11 @@ def run_specray(spec: SpecConfig | None, batch: int, tp: int, args) -> dict:
     return row
 
 
-def run_transformers(k: int, args) -> dict:
-    """Batch 1: transformers' plain greedy generate and its assisted generation on the same pair."""
+def head_to_head(k: int, args) -> dict:
+    """Batch 1 on the same pair: specray's draft_model, transformers' assisted generation and
+    transformers' plain greedy generate, in ``--rounds`` alternating rounds, so other
+    processes' load falls on all three alike (as in bench_vs_transformers). The fastest round
+    of each counts; every round's ratio is kept."""
     import transformers
 
     load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
@@ -126,19 +131,36 @@ def run_transformers(k: int, args) -> dict:
     assistant.generation_config.num_assistant_tokens = k
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     assistant.generation_config.assistant_confidence_threshold = 0.0
-    ids = torch.tensor(prompts_for(1, args.input_len, target.config.vocab_size))
-    common = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.output_len,
-                  min_new_tokens=args.output_len, pad_token_id=0, temperature=None, top_p=None)
-    out = {}
-    for name, extra in (("hf_plain", {}), ("hf_assisted", {"assistant_model": assistant})):
-        with torch.inference_mode():
-            target.generate(ids, **{**common, "max_new_tokens": 4, "min_new_tokens": 4}, **extra)
-            wall = float("inf")
-            for _ in range(args.repeats):  # the fastest, as for specray's rows
+    prompt = prompts_for(1, args.input_len, VOCAB_SIZE)
+    ids = torch.tensor(prompt)
+    common = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, temperature=None, top_p=None)
+    spec = SpecConfig(method="draft_model", draft_model=DRAFTERS["draft_model"], num_draft_tokens=k)
+    cfg = EngineConfig(model=TARGET, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384), spec=spec)
+    with LLM(cfg) as llm:
+        def specray(n: int) -> list[int]:
+            return llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+        def hf(extra: dict):
+            def run(n: int) -> list[int]:
+                with torch.inference_mode():
+                    out = target.generate(ids, max_new_tokens=n, min_new_tokens=n, **common, **extra)
+                return out[0, ids.shape[1]:].tolist()
+            return run
+
+        sides = {"specray": specray, "hf_assisted": hf({"assistant_model": assistant}), "hf_plain": hf({})}
+        tokens, rounds = {}, []
+        for run in sides.values():
+            run(4)  # warm-up
+        for _ in range(args.rounds):
+            walls = {}
+            for name, run in sides.items():
                 start = time.perf_counter()
-                tokens = target.generate(ids, **common, **extra)
-                wall = min(wall, time.perf_counter() - start)
-        out[name] = dict(tok_s=args.output_len / wall, wall_s=wall, tokens=tokens[0, ids.shape[1]:].tolist())
+                tokens[name] = run(args.output_len)
+                walls[name] = time.perf_counter() - start
+            rounds.append(walls)
+    out = {name: dict(tok_s=args.output_len / min(r[name] for r in rounds), tokens=tokens[name]) for name in sides}
+    out["round_ratios"] = [r["hf_assisted"] / r["specray"] for r in rounds]
+    out["round_tok_s"] = [{name: args.output_len / wall for name, wall in r.items()} for r in rounds]
     return out
 
 
@@ -208,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads of this process (TP=1 runs and transformers); default: torch's "
                          "choice, every core. TP>1 ranks split the cores between them")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per row; the fastest counts")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of specray against transformers at batch 1; the fastest of each counts")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes, e.g. 1,2 (TP>1 runs under the mp launcher)")
     ap.add_argument("--json", type=Path, default=Path("bench-results/spec_mid-llama.json"))
     ap.add_argument("--plot", type=Path, default=None, help="tok/s vs batch and per-position acceptance (PNG)")
@@ -226,25 +250,27 @@ def main(argv: list[str] | None = None) -> int:
                               force_accepted_tokens=force)
             rows.append(measure_row(spec, batch, tp, plains[tp, batch], args))
             print(format_table([rows[-1]]).splitlines()[-1], flush=True)
-    hf = run_transformers(min(int(c[1]) for c in configs), args)
+    k = min(int(c[1]) for c in configs)
+    duel = head_to_head(k, args)
     print(f"\n{args.threads} thread(s) in this process (TP=1 rows, transformers), input {args.input_len}, "
           f"output {args.output_len}, greedy\n")
     print("plain: " + ", ".join(f"tp {tp} batch {b}: {p['tok_s']:.1f} tok/s ({p['step_ms']:.1f} ms/step)"
                                 for (tp, b), p in plains.items()))
     print(format_table(rows))
-    ours = next(r for r in rows if r["method"] == "draft_model" and r["batch"] == 1 and r["force"] == "-"
-                and r["tp"] == tps[0])
-    print(f"\nbatch 1, draft_model k={ours['k']}: specray {ours['tok_s']:.1f} tok/s; transformers assisted "
-          f"{hf['hf_assisted']['tok_s']:.1f} tok/s ({ours['tok_s'] / hf['hf_assisted']['tok_s']:.2f}x, target >= 2x); "
-          f"transformers plain {hf['hf_plain']['tok_s']:.1f} tok/s; same tokens as transformers assisted: "
-          f"{ours['tokens'][0] == hf['hf_assisted']['tokens']}")
+    ours, theirs = duel["specray"], duel["hf_assisted"]
+    print(f"\nbatch 1, draft_model k={k}, {args.rounds} alternating rounds (fastest of each): specray "
+          f"{ours['tok_s']:.1f} tok/s; transformers assisted {theirs['tok_s']:.1f} tok/s "
+          f"({ours['tok_s'] / theirs['tok_s']:.2f}x, target >= 2x; per round "
+          f"{', '.join(f'{x:.2f}x' for x in duel['round_ratios'])}); transformers plain "
+          f"{duel['hf_plain']['tok_s']:.1f} tok/s; same tokens: {ours['tokens'] == theirs['tokens']}")
     print("lossless (natural acceptance == plain tokens):", all(r["lossless"] for r in rows if "lossless" in r))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     strip = lambda r: {k: v for k, v in r.items() if k != "tokens"}  # noqa: E731
     args.json.write_text(json.dumps(dict(
         target=TARGET, drafters=DRAFTERS, threads=args.threads, input_len=args.input_len, output_len=args.output_len,
         machine=platform.processor() or platform.machine(), plain=[strip(p) for p in plains.values()],
-        rows=[strip(r) for r in rows], transformers={n: strip(v) for n, v in hf.items()}), indent=2))
+        rows=[strip(r) for r in rows],
+        head_to_head={n: strip(v) if isinstance(v, dict) else v for n, v in duel.items()}), indent=2))
     print(f"wrote {args.json}")
     if args.plot:
         plot([r for r in rows if r["tp"] == tps[0]], plain, args.plot)
