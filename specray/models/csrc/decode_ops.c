@@ -40,8 +40,8 @@ void specray_rms_norm(const float *x, const float *weight, float *y, int64_t row
     }
 }
 
-#define KEY_TILE LANES /* keys scored before one softmax update: one vector of scores (16: the
-                          * reduction tree below is written for 16) */
+#define KEY_TILE LANES /* keys scored before one softmax update: one vector of scores */
+_Static_assert(LANES == 16, "tile_scores' reduction tree and lane_max are written for 16 lanes");
 #define QUERY_BLOCK 16  /* queries of one kv head that share each loaded key tile */
 
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
