@@ -64,8 +64,10 @@ def _error_reports(conns) -> dict[int, str]:
 
 
 def is_timeout(error: str) -> bool:
-    """Whether a reported error is a collective or channel timeout (ours, gloo's or NCCL's)."""
-    return error.startswith("TimeoutError") or "Timed out" in error or "timed out" in error
+    """Whether a reported error is a collective or channel timeout: ours (TimeoutError),
+    gloo's ("Timed out waiting ...") or NCCL's watchdog ("... collective operation timeout")."""
+    text = error.lower()
+    return "timed out" in text or "timeout" in text
 
 
 def describe_exit(code: int | str | None) -> str:
