@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from checkpoints import make_checkpoint
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.models.presets import PRESETS
@@ -76,8 +77,6 @@ def test_bad_request_rejects_the_call_and_keeps_the_engine(llm, prompt, params, 
 
 
 def test_request_longer_than_the_model_is_rejected_before_it_runs(tmp_path):
-    from checkpoints import make_checkpoint
-
     short = make_checkpoint("llama", tmp_path / "short", max_position_embeddings=64)
     with LLM(EngineConfig(model=str(short), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as llm:
         with pytest.raises(ValueError, match=r"request 0: prompt \(60 tokens\) \+ max_tokens \(8\) = 68 exceeds "
