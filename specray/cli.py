@@ -178,14 +178,14 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from specray import bench as bench_lib
     from specray.llm import LLM
-    from specray.models.arch import read_arch
+    from specray.models.loader import read_model_arch
     from specray.models.presets import resolve_model
 
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     bench = bench_lib.BenchConfig(input_len=args.input_len, output_len=args.output_len,
                                   batch_sizes=tuple(args.batch_sizes), warmup=args.warmup, seed=args.seed or 0)
-    vocab_size = read_arch(resolve_model(config.model, config.seed)).vocab_size
+    vocab_size = read_model_arch(resolve_model(config.model, config.seed)).vocab_size
     with LLM(config) as llm:
         is_printing = llm.rank == 0  # under torchrun every rank runs this; rank 0 speaks
         if is_printing:

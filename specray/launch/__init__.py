@@ -11,7 +11,7 @@ from specray.comm.context import DistContext
 from specray.comm.rendezvous import torchrun_env_present
 from specray.config import EngineConfig
 from specray.launch.mapping import validate_mapping
-from specray.models.arch import read_arch
+from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model
 
 
@@ -31,7 +31,7 @@ def resolve_launcher(config: EngineConfig) -> str:
 def start_engine(config: EngineConfig):
     """Start the ranks and return an engine handle with generate / geometry / close."""
     launcher = resolve_launcher(config)
-    arch = read_arch(resolve_model(config.model, config.seed))
+    arch = read_model_arch(resolve_model(config.model, config.seed))
     if launcher == "external":
         from specray.launch.external import start_external
 

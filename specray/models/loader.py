@@ -1,5 +1,6 @@
-"""Reading Hugging Face checkpoints: ``config.json`` plus one or more ``*.safetensors``
-files (sharded checkpoints carry ``model.safetensors.index.json``).
+"""Reading checkpoints: Hugging Face directories (``config.json`` plus one or more
+``*.safetensors`` files; sharded checkpoints carry ``model.safetensors.index.json``) and GGUF
+files (``gguf.py``). ``read_model_arch`` and ``open_checkpoint`` pick the format from the path.
 
 Tensors are read slice by slice through safetensors' lazy slices, so a rank reads only
 its shard of a sharded layer and never holds the full weight.
@@ -13,11 +14,26 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specray.models.arch import ModelArch, read_arch
+from specray.models.gguf import GGUFReader, arch_from_gguf, is_gguf
+
+
+def read_model_arch(path: str | Path) -> ModelArch:
+    """The architecture of a checkpoint directory or a GGUF file."""
+    return arch_from_gguf(path) if is_gguf(path) else read_arch(path)
+
+
+def open_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device):
+    """A reader with ``arch``, ``has``, ``read(name, dim, start, end)`` and ``close``, in Hugging Face
+    tensor names whatever the format."""
+    return GGUFReader(path, dtype, device) if is_gguf(path) else CheckpointReader(path, dtype, device)
+
 
 class CheckpointReader:
     def __init__(self, checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device):
         self.dir = Path(checkpoint_dir)
         self.dtype, self.device = dtype, device
+        self.arch = read_arch(self.dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
+
 BYTE_VOCAB = 320  # 256 bytes, BOS 256, EOS 257, padding up to a multiple of 64 for TP
 _TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, bos_token_id=256, eos_token_id=257,
@@ -127,11 +129,14 @@ def materialize(name: str, seed: int = 0) -> Path:
 
 
 def resolve_model(model: str, seed: int = 0) -> Path:
-    """A preset name or a checkpoint directory -> the directory to load."""
+    """A built-in model, a preset name, a checkpoint directory or a GGUF file -> the path to load."""
+    if model in BUILTIN_MODELS:
+        return builtin_model_path(model)
     if is_preset(model):
         return materialize(model, seed)
     path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}, or a drafter preset such as "
-                         f"'tiny-llama-draft') nor a checkpoint directory")
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        raise ValueError(f"model {model!r} is neither a built-in model ({sorted(BUILTIN_MODELS)}), a preset "
+                         f"({sorted(PRESETS)}, or a drafter preset such as 'tiny-llama-draft'), a checkpoint "
+                         f"directory nor a .gguf file")
     return path

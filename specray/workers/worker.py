@@ -21,13 +21,13 @@ from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import kv_budget_bytes
 from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
-from specray.models.arch import ModelArch, read_arch
+from specray.models.arch import ModelArch
 from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
-from specray.models.loader import CheckpointReader
+from specray.models.loader import open_checkpoint
 from specray.models.presets import resolve_model
 from specray.workers.cpu_malloc import tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
@@ -36,10 +36,9 @@ log = logging.getLogger(__name__)
 
 
 def load_model(path, ctx: DistContext, dtype: str) -> CausalLM:
-    arch = read_arch(path)
     torch_dtype = getattr(torch, dtype)
-    model = CausalLM(arch, ctx, torch_dtype)
-    reader = CheckpointReader(path, torch_dtype, ctx.device)
+    reader = open_checkpoint(path, torch_dtype, ctx.device)
+    model = CausalLM(reader.arch, ctx, torch_dtype)
     model.load(reader)
     reader.close()
     for module in model.modules():
