@@ -135,6 +135,10 @@ def arch_from_gguf(path: str | Path, reader=None) -> ModelArch:
         raise ValueError(f"{source} has no tensor 'token_embd.weight'")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{source}: rope.dimension_count ({key('rope.dimension_count')}) differs from the head "
+                         f"size ({head_dim}); partial rotary embeddings are not supported")
     eos = metadata(reader, "tokenizer.ggml.eos_token_id", -1)
     return ModelArch(
         architecture=ARCHITECTURES[name][0],
@@ -144,7 +148,7 @@ def arch_from_gguf(path: str | Path, reader=None) -> ModelArch:
         num_layers=int(key("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length")),
