@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specray.models.presets import PRESETS
-from specray.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from specray.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TINY = PRESETS["tiny-llama"]
 BYTES = ByteTokenizer(TINY["bos_token_id"], (TINY["eos_token_id"],))
@@ -61,7 +61,7 @@ def test_preset_checkpoint_gets_the_byte_tokenizer_with_its_special_ids(tmp_path
 def test_tokenizer_json_is_loaded_and_round_trips(tmp_path):
     make_tokenizer_json(tmp_path)
     tokenizer = load_tokenizer(tmp_path, is_byte_level=True)  # tokenizer.json wins over bytes
-    assert isinstance(tokenizer, HFTokenizer)
+    assert isinstance(tokenizer, Tokenizer)
     text = "the drafts verify speculative tokens"
     ids = tokenizer.encode(text)
     assert ids[0] == 0  # "<s>" from the post-processor
@@ -71,5 +71,5 @@ def test_tokenizer_json_is_loaded_and_round_trips(tmp_path):
 
 def test_checkpoint_without_tokenizer_json_asks_for_ids(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="no tokenizer.json.*--prompt-ids"):
+    with pytest.raises(ValueError, match="no tokenizer.*token-id prompts"):
         load_tokenizer(tmp_path, is_byte_level=False)
