@@ -10,7 +10,8 @@ Two families are supported, the ones llama.cpp calls:
   are ``<0xNN>`` tokens, merges come from the file or, failing that, from the scores.
 
 Ids match what transformers builds for the same file (``AutoTokenizer.from_pretrained(dir,
-gguf_file=...)``), which the tests check.
+gguf_file=...)``), which the tests check, with one deliberate exception: for ``pre`` = ``smollm``
+digits are split off first, as llama.cpp and SmolLM's own tokenizer do (see ``_smollm``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def _byte_level(split: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def _smollm() -> pre_tokenizers.PreTokenizer:
-    # SmolLM's own tokenizer.json: single digits, then the GPT-2 regex. Its merges join no digit to
-    # anything, so this gives the same ids as the plain GPT-2 regex transformers applies.
+    # As llama.cpp's "smollm" (and SmolLM's own tokenizer.json): every digit a word, then the GPT-2
+    # regex. transformers 5.24 applies the GPT-2 regex alone, which differs only where blanks come
+    # before a digit: "x  2" is x ĠĠ 2 here (as in training) and x Ġ Ġ 2 there.
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
