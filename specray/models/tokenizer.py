@@ -23,13 +23,14 @@ class _ChatMixin:
     """Conversations -> prompt text or ids, through the tokenizer's chat template. A subclass sets
     ``name``, ``chat_template``, ``bos_token``, ``eos_token`` and has ``encode``."""
 
-    _compiled = None
+    _compiled = (None, None)  # (template text, compiled template): compiled once, again if the text changes
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The conversation rendered by the model's template, as transformers renders it."""
-        if self._compiled is None and self.chat_template is not None:
-            self._compiled = compile_chat_template(self.chat_template)
-        return render_chat(self._compiled, messages, model_name=self.name, add_generation_prompt=add_generation_prompt,
+        if self._compiled[0] != self.chat_template:
+            compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
+            self._compiled = (self.chat_template, compiled)
+        return render_chat(self._compiled[1], messages, model_name=self.name, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
