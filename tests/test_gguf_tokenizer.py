@@ -82,12 +82,12 @@ def test_smollm2_special_tokens_stay_whole_and_metadata_matches(smollm2):
     assert ours.id_to_token(1) == "<|im_start|>" and ours.id_to_token(216) == "Ġ"
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["bos", "no-bos"])
+def tiny_llama(tmp_path_factory, request):
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp("tiny_llama")
-    path = write_llama_gguf(directory / "tiny.gguf", add_bos=True, add_space_prefix=True)
+    path = write_llama_gguf(directory / "tiny.gguf", add_bos=request.param, add_space_prefix=True)
     return load_tokenizer(path), AutoTokenizer.from_pretrained(str(directory), gguf_file=path.name)
 
 
@@ -105,8 +105,8 @@ def test_sentencepiece_gguf_ids_and_text_match_transformers(tiny_llama, text):
         assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
 
 
-def test_sentencepiece_gguf_hand_checked_pieces(tiny_llama):
-    ours, _ = tiny_llama
+def test_sentencepiece_gguf_hand_checked_pieces(tmp_path):
+    ours = load_tokenizer(write_llama_gguf(tmp_path / "tiny.gguf"))  # no add_bos_token: llama adds BOS
     tokens, _, _ = llama_vocab()
     ids = {token: index for index, token in enumerate(tokens)}
     # BOS, then the space prefix joins the first word: "▁the" "▁cat" are whole pieces.

@@ -218,21 +218,15 @@ def _add_typed_tokens(backend: BackendTokenizer, vocab: GGUFVocab) -> None:
 
 
 def _bos_eos_processor(vocab: GGUFVocab) -> processors.PostProcessor | None:
-    pieces = [(flag, token_id) for flag, token_id in ((vocab.add_bos_token, vocab.bos_token_id),
-                                                      (vocab.add_eos_token, vocab.eos_token_id)) if flag]
-    if not pieces:
+    """BOS before and EOS after the text, each when the file's flag asks for it."""
+    wanted = [(vocab.add_bos_token, vocab.bos_token_id, "bos"), (vocab.add_eos_token, vocab.eos_token_id, "eos")]
+    for flag, token_id, name in wanted:
+        if flag and token_id is None:
+            raise ValueError(f"the GGUF file sets tokenizer.ggml.add_{name}_token but has no "
+                             f"tokenizer.ggml.{name}_token_id")
+    bos, eos = ([vocab.tokens[token_id]] if flag else [] for flag, token_id, _ in wanted)
+    if not bos and not eos:
         return None
-    if any(token_id is None for _, token_id in pieces):
-        raise ValueError("the GGUF file asks to add BOS/EOS (tokenizer.ggml.add_bos_token/add_eos_token) "
-                         "but gives no tokenizer.ggml.bos_token_id/eos_token_id")
-    return bos_eos_template(vocab.tokens[vocab.bos_token_id] if vocab.add_bos_token else None,
-                            vocab.bos_token_id,
-                            vocab.tokens[vocab.eos_token_id] if vocab.add_eos_token else None, vocab.eos_token_id)
-
-
-def bos_eos_template(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None):
-    """A post-processor that puts ``bos`` before and ``eos`` after a sequence (either may be None)."""
-    head = [bos] if bos is not None else []
-    tail = [eos] if eos is not None else []
-    specials = [(token, token_id) for token, token_id in ((bos, bos_id), (eos, eos_id)) if token is not None]
-    return processors.TemplateProcessing(single=[*head, "$A", *tail], special_tokens=specials)
+    return processors.TemplateProcessing(
+        single=[*bos, "$A", *eos],
+        special_tokens=[(vocab.tokens[token_id], token_id) for flag, token_id, _ in wanted if flag])

@@ -1,7 +1,8 @@
 """Text <-> token ids, and conversations -> prompts.
 
 ``load_tokenizer`` finds a checkpoint's tokenizer: a directory's ``tokenizer.json`` (with
-``tokenizer_config.json`` for the chat template, BOS/EOS and ``add_bos_token``), or the
+``tokenizer_config.json`` or ``chat_template.jinja`` for the chat template, and the BOS/EOS tokens
+of ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``), or the
 ``tokenizer.ggml.*`` metadata of a ``.gguf`` file (``gguf_tokenizer``). Either becomes one
 ``Tokenizer`` over a ``tokenizers.Tokenizer``. The built-in presets have no trained tokenizer:
 their vocabulary is byte-level (ids 0..255 are the bytes of the UTF-8 text), with the BOS and EOS
@@ -146,8 +147,6 @@ def _chat_template_of(directory: Path, config: dict) -> str | None:
 def _from_tokenizer_json(directory: Path) -> Tokenizer:
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from specray.models.gguf_tokenizer import bos_eos_template
-
     backend = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
     config = _read_json(directory / "tokenizer_config.json")
     model_config = _read_json(directory / "config.json")
@@ -156,10 +155,8 @@ def _from_tokenizer_json(directory: Path) -> Tokenizer:
     eos_id = backend.token_to_id(eos) if eos else None
     eos_ids = ([] if eos_id is None else [eos_id]) + _eos_ids(_read_json(directory / "generation_config.json"),
                                                               model_config)
-    if "add_bos_token" in config or "add_eos_token" in config:  # the config's flags override tokenizer.json's
-        add_bos = bool(config.get("add_bos_token")) and bos_id is not None and bos is not None
-        add_eos = bool(config.get("add_eos_token")) and eos_id is not None
-        backend.post_processor = bos_eos_template(bos if add_bos else None, bos_id, eos if add_eos else None, eos_id)
+    # tokenizer.json's post-processor alone decides whether BOS/EOS are added, as in transformers 5:
+    # tokenizer_config.json's add_bos_token/add_eos_token do not change it.
     return Tokenizer(backend, name=directory.name, bos_token_id=bos_id, eos_token_ids=tuple(eos_ids),
                      chat_template=_chat_template_of(directory, config))
 
