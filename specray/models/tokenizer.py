@@ -188,6 +188,7 @@ def load_tokenizer(path: str | Path, *, is_byte_level: bool = False) -> Tokenize
         return ByteTokenizer(config.get("bos_token_id"), tuple(_eos_ids(config)), name=path.name)
     if not path.exists():
         raise ValueError(f"tokenizer path {str(path)!r} does not exist; pass a checkpoint directory or a .gguf file")
-    raise ValueError(f"{str(path)!r} has no tokenizer (no tokenizer.json in a checkpoint directory, no "
-                     f"tokenizer.ggml.* metadata in a .gguf file), so text cannot be encoded; pass token-id "
-                     f"prompts instead (--prompt-ids on the CLI)")
+    found = ("has no tokenizer.ggml.* metadata" if path.suffix == ".gguf" else
+             "has no tokenizer.json" if path.is_dir() else "is neither a checkpoint directory nor a .gguf file")
+    raise ValueError(f"{str(path)!r} {found}, so there is no tokenizer to encode text with; pass token-id prompts "
+                     f"instead (--prompt-ids on the CLI)")
