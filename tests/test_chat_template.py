@@ -26,8 +26,11 @@ LLAMA3 = (
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-# Block tags on their own lines (trim_blocks / lstrip_blocks matter), tojson, a caller's kwarg.
-FEATURES = """{% for message in messages %}
+# Block tags on their own lines (trim_blocks / lstrip_blocks matter), tojson, strftime_now, loop
+# controls, a caller's kwarg.
+FEATURES = """year digits: {{ strftime_now('%Y') | length }}
+{% for message in messages %}
+    {% if loop.index0 > 2 %}{% break %}{% endif %}
     {% if message['role'] == 'system' %}
 SYSTEM: {{ message | tojson }}
     {% else %}
@@ -105,7 +108,14 @@ def test_template_features_render_as_transformers(alternating, tmp_path):
     assert text == reference.apply_chat_template(messages, chat_template=FEATURES, add_generation_prompt=True,
                                                  tokenize=False, greeting="ASSISTANT:")
     assert '"content": "Say <b>&\'\\"</b> in 中文"' in text  # tojson keeps <, & and non-ASCII as they are
-    assert text.endswith("ASSISTANT:")
+    assert text.startswith("year digits: 4\n") and text.endswith("ASSISTANT:")
+
+
+def test_a_template_that_does_not_parse_fails_when_used(tmp_path):
+    broken = load_tokenizer(write_llama_gguf(tmp_path / "broken.gguf", chat_template="{% for m in messages %}"))
+    assert broken.end_of_turn_ids == (2,)  # loading works: the probe's error only means no extra token
+    with pytest.raises(ValueError, match=r"the chat template does not parse \(line 1\)"):
+        broken.apply_chat_template(SINGLE)
 
 
 def test_end_of_turn_is_the_special_token_that_closes_an_assistant_turn(tmp_path):

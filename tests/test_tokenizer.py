@@ -75,7 +75,8 @@ def test_checkpoint_without_tokenizer_json_asks_for_ids(tmp_path):
         load_tokenizer(tmp_path, is_byte_level=False)
 
 
-TURNS = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+TURNS = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+         "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.mark.parametrize("add_bos_token", [True, False])
@@ -84,7 +85,8 @@ def test_tokenizer_config_gives_template_and_special_tokens_as_transformers(tmp_
 
     make_tokenizer_json(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
-        bos_token="<s>", eos_token={"__type": "AddedToken", "content": "</s>", "special": True}, add_bos_token=add_bos_token,
+        bos_token="<s>", eos_token={"__type": "AddedToken", "content": "</s>", "special": True},
+        add_bos_token=add_bos_token,
         chat_template=TURNS)))
     (tmp_path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=[1, 7])))
     ours, reference = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))

@@ -49,7 +49,8 @@ def check_messages(messages) -> list[dict]:
     """A conversation is a non-empty list of dicts whose "role" and "content" are strings (other
     keys are passed through to the template); a ValueError names the first message that is not."""
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"messages must be a list of {{'role': str, 'content': str}} dicts, got {type(messages).__name__}")
+        raise ValueError(f"messages must be a list of {{'role': str, 'content': str}} dicts, "
+                         f"got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty; a conversation needs at least one message")
     for index, message in enumerate(messages):

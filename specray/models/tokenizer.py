@@ -31,13 +31,15 @@ class _ChatMixin:
         if self._compiled[0] != self.chat_template:
             compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
             self._compiled = (self.chat_template, compiled)
-        return render_chat(self._compiled[1], messages, model_name=self.name, add_generation_prompt=add_generation_prompt,
+        return render_chat(self._compiled[1], messages, model_name=self.name,
+                           add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """The rendered conversation's ids; the template wrote every special token it wants, so
         none is added (as transformers' ``apply_chat_template(tokenize=True)``)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class ByteTokenizer(_ChatMixin):
