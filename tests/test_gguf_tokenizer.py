@@ -126,6 +126,16 @@ def test_merges_from_scores_rank_by_the_merged_token_score():
     assert len(merges_from_scores(list(PIECES), list(PIECES.values()))) > 0
 
 
+def test_an_open_gguf_reader_gives_the_same_tokenizer(smollm2):
+    from gguf import GGUFReader
+
+    from specray.models.tokenizer import tokenizer_from_gguf
+
+    ours, _ = smollm2
+    shared = tokenizer_from_gguf(GGUFReader(str(SMOLLM2_GGUF)), "smollm2")
+    assert shared.encode(TEXTS[1]) == ours.encode(TEXTS[1]) and shared.chat_template == ours.chat_template
+
+
 def test_unknown_tokenizer_model_is_rejected_by_name(tmp_path):
     path = write_gguf(tmp_path / "bert.gguf", model="bert", tokens=["[PAD]", "[UNK]", "[CLS]"], types=[3, 2, 3])
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model is 'bert'; supported tokenizer models: gpt2, llama"):

@@ -107,11 +107,13 @@ class GGUFVocab:
                              "tokenizer.ggml.scores to order its merges; the file has neither")
 
 
-def read_gguf_vocab(path: str | Path) -> GGUFVocab | None:
-    """The tokenizer metadata of a GGUF file, or None when the file has none."""
+def read_gguf_vocab(source) -> GGUFVocab | None:
+    """The tokenizer metadata of a GGUF file (a path, or a ``gguf.GGUFReader`` already open on it:
+    parsing a file takes seconds, so a weight loader that has one should pass it), or None when
+    the file has none."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(str(path)).fields
+    fields = (source if isinstance(source, GGUFReader) else GGUFReader(str(source))).fields
 
     def get(key, default=None):
         field = fields.get(f"tokenizer.{key}")

@@ -163,14 +163,16 @@ def _from_tokenizer_json(directory: Path) -> Tokenizer:
                      chat_template=_chat_template_of(directory, config))
 
 
-def _from_gguf(path: Path) -> Tokenizer | None:
+def tokenizer_from_gguf(source, name: str) -> Tokenizer | None:
+    """The tokenizer a GGUF file describes (``source``: its path or an open ``gguf.GGUFReader``),
+    or None when it has no tokenizer metadata."""
     from specray.models.gguf_tokenizer import build_backend, read_gguf_vocab
 
-    vocab = read_gguf_vocab(path)
+    vocab = read_gguf_vocab(source)
     if vocab is None:
         return None
     eos_ids = () if vocab.eos_token_id is None else (vocab.eos_token_id,)
-    return Tokenizer(build_backend(vocab), name=path.name, bos_token_id=vocab.bos_token_id, eos_token_ids=eos_ids,
+    return Tokenizer(build_backend(vocab), name=name, bos_token_id=vocab.bos_token_id, eos_token_ids=eos_ids,
                      chat_template=vocab.chat_template)
 
 
@@ -180,7 +182,7 @@ def load_tokenizer(path: str | Path, *, is_byte_level: bool = False) -> Tokenize
     is none."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        tokenizer = _from_gguf(path)
+        tokenizer = tokenizer_from_gguf(path, path.name)
         if tokenizer is not None:
             return tokenizer
     elif (path / "tokenizer.json").is_file():
