@@ -144,7 +144,7 @@ def _print_geometry(llm) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from specray.llm import LLM
     from specray.models.presets import is_preset, resolve_model
-    from specray.tokenizer import load_tokenizer
+    from specray.models.tokenizer import load_tokenizer
 
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
