@@ -173,7 +173,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings: the request ends when its text contains one, cut before it (a str or a list)."""
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the output text."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -183,6 +187,10 @@ class SamplingParams:
         _require(self.top_k >= 0, f"top_k ({self.top_k}) must be >= 0 (0 disables it)")
         _require(0.0 < self.top_p <= 1.0, f"top_p ({self.top_p}) must be in (0, 1]")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _require(all(isinstance(s, str) and s for s in stop),
+                 f"stop ({self.stop!r}) must be a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def is_greedy(self) -> bool:

@@ -6,8 +6,19 @@ from collections.abc import Sequence as Seq
 
 from specray.config import EngineConfig, SamplingParams
 from specray.executor.engine import RequestOutput
+from specray.executor.text import ChatPrompt, Prompt
 from specray.kv.geometry import PoolGeometry
 from specray.launch import start_engine
+
+
+def _prompt_list(prompts) -> list[Prompt]:
+    """One prompt (text, a conversation, a flat list of ids) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, ChatPrompt)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return [p if isinstance(p, (str, ChatPrompt)) else list(p) for p in prompts]
 
 
 class LLM:
@@ -26,15 +37,27 @@ class LLM:
         """The agreed KV pools, as allocated on every rank."""
         return self._engine.geometry
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Generate for every prompt (a list of token ids); outputs come back in prompt order.
+        """Generate for every prompt (text, a list of token ids, or a ``ChatPrompt``); one prompt
+        may be passed alone. Outputs come back in prompt order, each with its ``text``.
 
         Bad input rejects the whole call before any request runs, naming the request."""
+        prompts = _prompt_list(prompts)
         params = params if params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        return self._engine.generate([list(p) for p in prompts], list(params))
+        return self._engine.generate(prompts, list(params))
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or several, rendered with
+        the model's chat template; each answer ends at the template's end-of-turn token."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages ({messages!r}) must be a non-empty list of {{'role', 'content'}} dicts, "
+                             f"or a list of such conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        return self.generate([ChatPrompt(list(c), add_generation_prompt) for c in conversations], params)
 
     def health(self) -> list[dict]:
         """One report per rank: ``rank``, ``is_alive`` and what the launcher knows besides (under

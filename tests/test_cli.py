@@ -101,7 +101,7 @@ def test_checkpoint_without_tokenizer_takes_ids_but_not_text(capsys, hf_checkpoi
      "force_accepted_tokens (9.0) must be within [1, num_draft_tokens + 1 = 5]"),
     (["generate", "--prompt-ids", "1,x"], "'1,x' is not a comma-separated list of integers"),
     (["generate", "--prompt", "a", "--dtype", "float64"], "argument --dtype: invalid choice"),
-    (["generate", "--model", "no-such-model", "--prompt-ids", "1"], "neither a preset"),
+    (["generate", "--model", "no-such-model", "--prompt-ids", "1"], "is neither a built-in model"),
     (["generate", "--prompt-ids", "1,400", *KV], "token id 400 is outside the vocabulary [0, 320)"),
     (["bench", "--output-len", "1"], "output_len (1) must be >= 2"),
     (["bench", "--batch-sizes", "1,0"], "batch_sizes [1, 0] must be a non-empty list"),

@@ -110,5 +110,5 @@ def test_checkpoint_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported"):
         LLM(EngineConfig(model=str(tmp_path)))
-    with pytest.raises(ValueError, match="neither a preset"):
+    with pytest.raises(ValueError, match="is neither a built-in model"):
         LLM(EngineConfig(model="no-such-model"))

@@ -15,6 +15,7 @@ from specray.config import EngineConfig, SamplingParams
 from specray.executor import spec_metrics
 from specray.executor.plan import CallEnd, StepPlan
 from specray.executor.scheduler import Scheduler, Sequence
+from specray.executor.text import ChatPrompt, Prompt, RequestText, encode_prompt, engine_tokenizer
 from specray.kv.allocator import BlockAllocator
 from specray.workers.worker import RankWorker
 
@@ -28,6 +29,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "length" or "stop"
     metrics: dict = field(default_factory=dict)
+    text: str = ""  # the output text ("" when the model has no tokenizer)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
 
 
 def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vocab_size: int,
@@ -74,6 +77,7 @@ class EngineCore:
         self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
         self._seq_ids = 0
         self._rng = random.Random(config.seed)
+        self.tokenizer = engine_tokenizer(config)  # None: the model speaks token ids only
 
     @property
     def capacity_tokens(self) -> int:
@@ -84,12 +88,22 @@ class EngineCore:
             self.channel.send(plan)
         return self.worker.execute(plan)
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _encode(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[int]]:
+        ids = [encode_prompt(self.tokenizer, p, i, self.config.model) for i, p in enumerate(prompts)]
+        for i, p in enumerate(params):
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"request {i}: stop strings {list(p.stop)} need a tokenizer, and model "
+                                 f"{self.config.model!r} has none; use stop_token_ids")
+        return ids
+
+    def generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Run every request to its end; prompts are token ids, text or a ChatPrompt."""
         if self.is_broken:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
-        prompts = [list(map(int, p)) for p in prompts]
         try:
             arch = self.worker.arch
+            is_chat = [isinstance(p, ChatPrompt) for p in prompts]
+            prompts = self._encode(prompts, params)
             validate_requests(prompts, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
                               arch.max_position_embeddings)
         except ValueError as e:
@@ -97,7 +111,7 @@ class EngineCore:
                 self.channel.send(CallEnd(error=str(e)))
             raise
         try:
-            outputs = self._generate(prompts, params)
+            outputs = self._generate(prompts, params, is_chat)
         except BaseException:
             self.is_broken = True
             raise
@@ -105,20 +119,27 @@ class EngineCore:
             self.channel.send(CallEnd(outputs=outputs))
         return outputs
 
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _sequence(self, prompt: list[int], params: SamplingParams, is_chat: bool) -> Sequence:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        eos = self.worker.arch.eos_token_ids
+        if is_chat:  # a chat answer also ends at the template's end-of-turn token
+            eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.end_of_turn_ids)))
+        text = RequestText(self.tokenizer, prompt, params) if self.tokenizer is not None else None
+        seq = Sequence(self._seq_ids, list(prompt), len(prompt), params, seed, eos, text=text)
+        self._seq_ids += 1
+        return seq
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams], is_chat: list[bool],
+                  ) -> list[RequestOutput]:
         k = self.num_draft_tokens
         draft = self.geometry.get("draft")
         scheduler = Scheduler(self.allocator, self.geometry["target"].tokens_per_block, self.config.max_num_seqs,
                               self.config.max_num_batched_tokens, num_draft_tokens=k,
                               draft_allocator=self.draft_allocator,
                               draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0)
-        seqs = []
-        for prompt, p in zip(prompts, params):
-            seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
-            seq = Sequence(self._seq_ids, list(prompt), len(prompt), p, seed, self.worker.arch.eos_token_ids)
-            self._seq_ids += 1
+        seqs = [self._sequence(*request) for request in zip(prompts, params, is_chat)]
+        for seq in seqs:
             scheduler.add(seq)
-            seqs.append(seq)
         while scheduler.has_work:
             plan = scheduler.schedule()
             scheduler.finish_step(self._step(plan))
@@ -132,14 +153,14 @@ class EngineCore:
     @staticmethod
     def _output(index: int, seq: Sequence, num_draft_tokens: int = 0) -> RequestOutput:
         out = seq.output_ids
-        p = seq.params
-        reason = "length" if len(out) >= p.max_tokens and out[-1] not in p.stop_token_ids else "stop"
         ttft = seq.first_token_s - seq.arrival_s
         tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
         metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
         if num_draft_tokens:
             metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens))
-        return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, reason, metrics)
+        text = seq.text.finish() if seq.text is not None else ""
+        return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, seq.finish_reason, metrics, text,
+                             seq.stop_reason)
 
     def close(self) -> None:
         if self.channel is not None and not self.is_broken:

@@ -51,6 +51,9 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    text: object | None = None  # RequestText: the output text and its stop strings, when there is a tokenizer
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
     draft_block_table: list[int] = field(default_factory=list)  # standalone drafter's pages
     num_draft_blocks_sent: int = 0
     num_drafts_fed: int = 0  # drafts verified in the step being run
@@ -69,12 +72,20 @@ class Sequence:
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         p = self.params
-        done = len(self.output_ids) >= p.max_tokens
-        done |= token in p.stop_token_ids
-        done |= not p.ignore_eos and token in self.eos_token_ids
-        if done:
-            self.is_finished = True
-            self.finish_s = time.perf_counter()
+        is_stop_string = self.text is not None and self.text.add(token)
+        if token in p.stop_token_ids:
+            self._finish("stop", token)
+        elif len(self.output_ids) >= p.max_tokens:
+            self._finish("length", None)
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            self._finish("stop", None)
+        elif is_stop_string:
+            self._finish("stop", self.text.stop_reason)
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.is_finished = True
+        self.finish_s = time.perf_counter()
+        self.finish_reason, self.stop_reason = reason, stop_reason
 
 
 class Scheduler:

@@ -33,7 +33,6 @@ class CheckpointReader:
     def __init__(self, checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device):
         self.dir = Path(checkpoint_dir)
         self.dtype, self.device = dtype, device
-        self.arch = read_arch(self.dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -47,6 +46,11 @@ class CheckpointReader:
                     weight_map.update({name: f.name for name in handle.keys()})
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
+
+    @property
+    def arch(self) -> ModelArch:
+        """The target architecture of ``config.json`` (a drafter directory has its own format)."""
+        return read_arch(self.dir)
 
     def _handle(self, file_name: str):
         if file_name not in self._handles:
