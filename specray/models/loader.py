@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from specray.models.arch import ModelArch, read_arch
+from specray.models.attention import paged_attention
+from specray.models.decoder import CausalLM
 from specray.models.gguf import GGUFReader, arch_from_gguf, is_gguf
 
 
@@ -75,3 +77,16 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def load_model(path: str | Path, ctx, dtype: str, kernel=paged_attention) -> CausalLM:
+    """This rank's shards of the model at ``path`` (a checkpoint directory or a GGUF file)."""
+    torch_dtype = getattr(torch, dtype)
+    reader = open_checkpoint(path, torch_dtype, ctx.device)
+    model = CausalLM(reader.arch, ctx, torch_dtype, kernel)
+    model.load(reader)
+    reader.close()
+    for module in model.modules():
+        if hasattr(module, "pack"):
+            module.pack()  # after loading (and tying): the packed copies follow the loaded weights
+    return model.eval()

@@ -27,24 +27,12 @@ from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
-from specray.models.loader import open_checkpoint
+from specray.models.loader import load_model
 from specray.models.presets import resolve_model
 from specray.workers.cpu_malloc import tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
 
 log = logging.getLogger(__name__)
-
-
-def load_model(path, ctx: DistContext, dtype: str) -> CausalLM:
-    torch_dtype = getattr(torch, dtype)
-    reader = open_checkpoint(path, torch_dtype, ctx.device)
-    model = CausalLM(reader.arch, ctx, torch_dtype)
-    model.load(reader)
-    reader.close()
-    for module in model.modules():
-        if hasattr(module, "pack"):
-            module.pack()  # after loading (and tying): the packed copies follow the loaded weights
-    return model.eval()
 
 
 class RankWorker:

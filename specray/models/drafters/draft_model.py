@@ -14,8 +14,7 @@ from torch import nn
 
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
-from specray.models.arch import read_arch
-from specray.models.loader import CheckpointReader
+from specray.models.loader import load_model, read_model_arch
 from specray.models.block_attention import block_decode_attention
 from specray.models.decoder import CausalLM
 from specray.models.attention import build_metadata
@@ -34,15 +33,11 @@ class DraftModelDrafter(nn.Module):
 
     @classmethod
     def load(cls, path, ctx: DistContext, dtype: str, target: CausalLM) -> DraftModelDrafter:
-        arch = read_arch(path)
-        if arch.vocab_size != target.arch.vocab_size:
-            raise ValueError(f"draft model {str(path)!r} has vocab_size {arch.vocab_size} but the target has "
+        vocab_size = read_model_arch(path).vocab_size
+        if vocab_size != target.arch.vocab_size:
+            raise ValueError(f"draft model {str(path)!r} has vocab_size {vocab_size} but the target has "
                              f"{target.arch.vocab_size}; a draft model must share the target's vocabulary")
-        model = CausalLM(arch, ctx, getattr(torch, dtype), kernel=block_decode_attention)
-        reader = CheckpointReader(path, getattr(torch, dtype), ctx.device)
-        model.load(reader)
-        reader.close()
-        return cls(model.eval())
+        return cls(load_model(path, ctx, dtype, kernel=block_decode_attention))
 
     def _forward(self, batch: DraftBatch, ids: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
         tables = [s.block_table for s in batch.seqs]
