@@ -41,7 +41,8 @@ class ParallelConfig:
     moe_ep_size: int | None = None
     """Contiguous expert groups; defaults to 1."""
     launcher: str = "auto"
-    """local | mp | ray | external; auto picks external under torchrun, local at tp 1, mp otherwise."""
+    """local | mp | ray | external; auto picks external under torchrun (or mpirun/Slurm: whenever RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set), local at tp 1, mp otherwise."""
     allreduce: str = "auto"
     """auto | one_shot | torch: which all-reduce the row-parallel layers use."""
     timeout_s: float = 60.0

@@ -33,9 +33,24 @@ other variable a rank needs goes there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+
+
+# What marks a process started the torchrun way (torchrun, or Slurm/mpirun wrappers that set
+# torchrun's variables): its rank, the world size and where rank 0's store is. torchrun's own
+# TORCHELASTIC_RUN_ID is not required, so the same job under mpirun or srun is recognised too.
+TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env_present(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one rank of a torchrun-style job (every marker variable set):
+    the one test behind both ``launcher="auto"`` picking ``external`` and the CLI's default
+    ``--tp`` (the job's WORLD_SIZE)."""
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in TORCHRUN_MARKERS)
 
 
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
