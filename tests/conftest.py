@@ -60,3 +60,13 @@ def _specray_cache(tmp_path_factory):
     """Presets are written under a per-session cache unless SPECRAY_CACHE is set."""
     if "SPECRAY_CACHE" not in os.environ:
         os.environ["SPECRAY_CACHE"] = str(tmp_path_factory.mktemp("specray-cache"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say in the summary when the CPU-kernel tests could not run (no C compiler): a skip is
+    otherwise easy to miss. A failed build with a compiler fails those tests instead."""
+    from kernel_build import no_compiler_reason
+    from specray.models import cpu_kernels
+
+    if cpu_kernels.find_compiler() is None:
+        terminalreporter.write_line(f"specray CPU kernels: {no_compiler_reason()}", yellow=True)
