@@ -31,7 +31,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance shared by every test that needs one (started once, 200 MB store)."""
-    ray = pytest.importorskip("ray")
+    import ray  # a dependency of specray (its ray launcher), not an optional extra: never skipped
     if ray.is_initialized():
         yield ray
         return
