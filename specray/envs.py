@@ -10,6 +10,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 | SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
+| SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
+|                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
 
 Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and

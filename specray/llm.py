@@ -90,7 +90,8 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ConfigError(f"LLM() got {unknown}, which are not EngineConfig fields; the fields are {sorted(fields)}")
+        raise ConfigError(f"LLM() got {unknown}, which are not EngineConfig fields; "
+                          f"the fields are {sorted(fields)}")
     if config is None:
         return EngineConfig(**overrides)
     if not isinstance(config, EngineConfig):

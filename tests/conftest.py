@@ -70,3 +70,14 @@ def pytest_terminal_summary(terminalreporter):
 
     if cpu_kernels.find_compiler() is None:
         terminalreporter.write_line(f"specray CPU kernels: {no_compiler_reason()}", yellow=True)
+
+
+@pytest.fixture
+def step_dir(tmp_path, monkeypatch):
+    """A directory where every rank started in this test writes its step count (see faults.py)."""
+    from faults import STEP_DIR_VAR
+
+    directory = tmp_path / "steps"
+    directory.mkdir()
+    monkeypatch.setenv(STEP_DIR_VAR, str(directory))
+    return directory
