@@ -1,14 +1,14 @@
 """specray's own errors: one base class, so ``except SpecrayError`` catches whatever specray
 raised on purpose (and nothing torch, Ray or the OS raised on their own).
 
-| error                | raised when                                                        | also a     |
-|----------------------|--------------------------------------------------------------------|------------|
-| ``ConfigError``      | a config value or a checkpoint's ``config.json`` breaks a rule     | ValueError |
-| ``EngineClosed``     | an ``LLM`` is used after ``close()``                               | RuntimeError |
-| ``RankFailure``      | a rank died, hung or failed (``specray.launch.procs``)             | RuntimeError |
-| ``TokenDivergence``  | ranks sampled different tokens (``specray.workers.token_check``)   | RuntimeError |
-| ``PlacementTimeout`` | Ray could not place the ranks in time (``launch.ray_placement``)   | RuntimeError |
-| ``OutOfBlocks``      | the block allocator has too few free pages (the scheduler handles it) | -       |
+| error                | raised when                                                      | also a       |
+|----------------------|------------------------------------------------------------------|--------------|
+| ``ConfigError``      | a config value or a checkpoint's ``config.json`` breaks a rule   | ValueError   |
+| ``EngineClosed``     | an ``LLM`` is used after ``close()``                             | RuntimeError |
+| ``RankFailure``      | a rank died, hung or failed (``specray.launch.procs``)           | RuntimeError |
+| ``TokenDivergence``  | ranks sampled different tokens (``workers.token_check``)         | RuntimeError |
+| ``PlacementTimeout`` | Ray could not place the ranks in time (``launch.ray_placement``) | RuntimeError |
+| ``OutOfBlocks``      | too few free pages (``kv.allocator``; the scheduler handles it)  | -            |
 
 Each keeps the builtin base it had before (``ValueError``, ``RuntimeError``), so code that
 caught those still does. Bad values keep raising ``ValueError`` (``ConfigError`` is one).

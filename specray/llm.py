@@ -95,5 +95,6 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
     if config is None:
         return EngineConfig(**overrides)
     if not isinstance(config, EngineConfig):
-        raise ConfigError(f"config ({config!r}) must be an EngineConfig; pass EngineConfig(model=...) or LLM(model=...)")
+        raise ConfigError(f"config ({config!r}) must be an EngineConfig; "
+                          f"pass EngineConfig(model=...) or LLM(model=...)")
     return dataclasses.replace(config, **overrides) if overrides else config
