@@ -17,6 +17,7 @@ import time
 
 from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, PLACEMENT_STRATEGIES, SPEC_METHODS, EngineConfig,
                             KVConfig, ParallelConfig, SamplingParams, SpecConfig)
+from specray.envs import torchrun_env_present
 
 EXIT_USAGE = 2  # argparse's code for bad arguments; config errors use it too
 
@@ -83,8 +84,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _torchrun_world_size() -> int:
-    """Under torchrun the job's world size is the natural tensor-parallel size."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
+    """Under torchrun (or mpirun/Slurm with torchrun's variables) the job's world size is the
+    natural tensor-parallel size; the same test makes launcher auto pick ``external``."""
+    return int(os.environ["WORLD_SIZE"]) if torchrun_env_present() else 1
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,13 +1,16 @@
 """Engine configuration: frozen dataclasses, validated when built.
 
-A bad value raises ``ValueError`` whose message names the value and the rule it broke,
-so the error surfaces at the call that built the config, before any process starts.
+A bad value raises ``ConfigError`` (a ``ValueError`` and a ``SpecrayError``) whose message
+names the value and the rule it broke, so the error surfaces at the call that built the
+config, before any process starts.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from specray.errors import ConfigError
 
 LAUNCHERS = ("auto", "local", "mp", "ray", "external")
 ALLREDUCE_MODES = ("auto", "one_shot", "torch")
@@ -20,7 +23,7 @@ MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 8, 256
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)  # a ValueError too
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -38,7 +41,8 @@ class ParallelConfig:
     moe_ep_size: int | None = None
     """Contiguous expert groups; defaults to 1."""
     launcher: str = "auto"
-    """local | mp | ray | external; auto picks external under torchrun, local at tp 1, mp otherwise."""
+    """local | mp | ray | external; auto picks external under torchrun (or mpirun/Slurm: whenever RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set), local at tp 1, mp otherwise."""
     allreduce: str = "auto"
     """auto | one_shot | torch: which all-reduce the row-parallel layers use."""
     timeout_s: float = 60.0
@@ -206,6 +210,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """None means the defaults, ``ParallelConfig()`` (likewise for kv and spec)."""
     kv: KVConfig = field(default_factory=KVConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_num_seqs: int = 64
@@ -216,6 +221,12 @@ class EngineConfig:
     """Seeds the preset weights and the per-request seeds that are not given."""
 
     def __post_init__(self) -> None:
+        for name, kind in (("parallel", ParallelConfig), ("kv", KVConfig), ("spec", SpecConfig)):
+            value = getattr(self, name)
+            if value is None:  # as if the field were left out: LLM(model=..., spec=None) reads naturally
+                object.__setattr__(self, name, kind())
+            _require(isinstance(getattr(self, name), kind),
+                     f"{name} ({value!r}) must be a {kind.__name__} or None (the defaults)")
         _require(self.dtype in DTYPES, f"dtype {self.dtype!r} must be one of {DTYPES}")
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device {self.device!r} must be 'cpu' or 'cuda'")

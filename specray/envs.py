@@ -10,6 +10,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 | SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
+| SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
+|                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
 
 Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and
@@ -33,9 +35,24 @@ other variable a rank needs goes there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+
+
+# What marks a process started the torchrun way (torchrun, or Slurm/mpirun wrappers that set
+# torchrun's variables): its rank, the world size and where rank 0's store is. torchrun's own
+# TORCHELASTIC_RUN_ID is not required, so the same job under mpirun or srun is recognised too.
+TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env_present(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one rank of a torchrun-style job (every marker variable set):
+    the one test behind both ``launcher="auto"`` picking ``external`` and the CLI's default
+    ``--tp`` (the job's WORLD_SIZE)."""
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in TORCHRUN_MARKERS)
 
 
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:

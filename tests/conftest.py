@@ -31,7 +31,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance shared by every test that needs one (started once, 200 MB store)."""
-    ray = pytest.importorskip("ray")
+    import ray  # a dependency of specray (its ray launcher), not an optional extra: never skipped
     if ray.is_initialized():
         yield ray
         return
@@ -60,3 +60,24 @@ def _specray_cache(tmp_path_factory):
     """Presets are written under a per-session cache unless SPECRAY_CACHE is set."""
     if "SPECRAY_CACHE" not in os.environ:
         os.environ["SPECRAY_CACHE"] = str(tmp_path_factory.mktemp("specray-cache"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say in the summary when the CPU-kernel tests could not run (no C compiler): a skip is
+    otherwise easy to miss. A failed build with a compiler fails those tests instead."""
+    from kernel_build import no_compiler_reason
+    from specray.models import cpu_kernels
+
+    if cpu_kernels.find_compiler() is None:
+        terminalreporter.write_line(f"specray CPU kernels: {no_compiler_reason()}", yellow=True)
+
+
+@pytest.fixture
+def step_dir(tmp_path, monkeypatch):
+    """A directory where every rank started in this test writes its step count (see faults.py)."""
+    from faults import STEP_DIR_VAR
+
+    directory = tmp_path / "steps"
+    directory.mkdir()
+    monkeypatch.setenv(STEP_DIR_VAR, str(directory))
+    return directory

@@ -16,13 +16,15 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from faults import fail_mid_call
+from faults import STEP_DIR_VAR, fail_mid_call
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.shm import leftover_segments
 
@@ -61,7 +63,8 @@ def _is_alive(pid: int) -> bool:
 
 def hit_mid_call(llm, rank: int, sig: int) -> dict:
     """What generate raised when ``rank`` got ``sig`` mid-call, as JSON-able data."""
-    error, after_s = fail_mid_call(llm, rank, sig, join_s=3 * FAILURE_TIMEOUT_S)
+    step_dir = Path(os.environ[STEP_DIR_VAR])
+    error, after_s = fail_mid_call(llm, rank, sig, join_s=3 * FAILURE_TIMEOUT_S, step_dir=step_dir)
     return dict(error_type=type(error).__name__, error=str(error), error_ranks=getattr(error, "ranks", None),
                 error_after_s=after_s, health_after=llm.health())
 
@@ -121,6 +124,8 @@ def two_plus_two(moe: str) -> dict:
 
 
 def main(llama: str, moe: str) -> None:
+    # every rank (both "nodes" share this host) writes its step count here: hit_mid_call waits on it
+    os.environ[STEP_DIR_VAR] = tempfile.mkdtemp(prefix="specray-steps-")
     cluster = Cluster(initialize_head=True, connect=True, head_node_args=dict(NODE, include_dashboard=False))
     try:
         worker = cluster.add_node(**NODE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_build import built_kernels
 
 from specray.models import cpu_kernels
 from specray.models.attention import AttentionMetadata, paged_attention, write_kv
@@ -32,8 +33,8 @@ def _reference(q, keys, values, query_len: int, causal: bool) -> torch.Tensor:
     ([7, 3], [0, 0]),  # whole prompts only
 ])
 def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_lens, use_kernels, monkeypatch):
-    if not use_kernels:  # the torch path that serves where specray's C kernels cannot be built
-        monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    kernels = built_kernels() if use_kernels else None  # None: the torch path that serves without them
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     _check_against_dense(block_size, causal, query_lens, cached_lens, DIM)
 
 
@@ -43,11 +44,11 @@ def test_paged_attention_matches_dense(block_size, causal, query_lens, cached_le
     ([1, 1], [700, 33]),  # many key tiles, and a last tile the context only partly fills
     ([12, 3], [290, 1]),  # 24 queries of one kv head: more than one query block of the C kernel
 ])
-def test_c_kernel_tiles_and_query_blocks(dim, causal, query_lens, cached_lens):
+def test_c_kernel_tiles_and_query_blocks(dim, causal, query_lens, cached_lens, monkeypatch):
     """The C kernel's edges: key tiles of 16 (a causal query sees part of a tile), blocks of
     16 queries per kv head, and head sizes that are not a multiple of its 16-float vectors."""
-    if cpu_kernels.load_cpu_kernels() is None:
-        pytest.skip("specray's C kernels cannot be built here (no C compiler)")
+    kernels = built_kernels()
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     _check_against_dense(16, causal, query_lens, cached_lens, dim)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_build import built_kernels
 
 from specray.models import cpu_kernels
 from specray.models.attention import AttentionMetadata, paged_attention
@@ -35,8 +36,8 @@ def _case(block_size: int, lengths: list[int], query_lens: list[int], causal: bo
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_decode_matches_paged_attention(block_size, causal, use_kernels, monkeypatch):
     q, pool, meta = _case(block_size, lengths=[5, 64, 130, 200], query_lens=[1, 4, 8, 3], causal=causal)
-    if not use_kernels:
-        monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    kernels = built_kernels() if use_kernels else None  # None: the torch tiles
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     out = block_decode_attention(q, None, None, pool, meta, 0.25)
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)  # the reference: torch's gather path
     meta.derived.clear()

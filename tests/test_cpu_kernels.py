@@ -8,19 +8,22 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_build import built_kernels, no_compiler_reason
 
 from specray.models import cpu_kernels, layers
 from specray.models.cpu_kernels import load_cpu_kernels, prune_stale_builds
 
-kernels = load_cpu_kernels()
-needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Skipped only without a C compiler; a failed build with one fails every test that uses it."""
+    return built_kernels()
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("n, k", [(64, 64), (33, 100), (1, 17), (130, 1024)])  # odd N, K off the 16-lane grid
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_small_gemm_matches_torch(rows, n, k, has_bias):
+def test_small_gemm_matches_torch(rows, n, k, has_bias, kernels):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if has_bias else None
@@ -29,8 +32,7 @@ def test_small_gemm_matches_torch(rows, n, k, has_bias):
     torch.testing.assert_close(kernels.small_gemm(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-@needs_kernel
-def test_small_gemm_is_bitwise_the_same_at_any_thread_count():
+def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
     # every rank computing the same replicated product must get the same bits
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 1024, generator=gen), torch.randn(1000, 1024, generator=gen)
@@ -45,19 +47,18 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count():
     assert torch.equal(one, two)
 
 
-@needs_kernel
-def test_small_gemm_rejects_too_many_rows():
+def test_small_gemm_rejects_too_many_rows(kernels):
     with pytest.raises(ValueError, match=r"takes 1..8 rows, not 9"):
         kernels.small_gemm(torch.randn(9, 16), torch.randn(4, 16), None)
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows, dim", [(1, 64), (5, 1024), (3, 100)])
-def test_rms_norm_matches_the_torch_formula(rows, dim, monkeypatch):
+def test_rms_norm_matches_the_torch_formula(rows, dim, monkeypatch, kernels):
     gen = torch.Generator().manual_seed(dim)
     x, weight = torch.randn(rows, dim, generator=gen), torch.randn(dim, generator=gen)
     norm = layers.RMSNorm(dim, 1e-6, torch.float32, torch.device("cpu"))
     norm.weight.data.copy_(weight)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)  # the layer takes the C path
     fused = norm(x)
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     # Tolerance: the kernel sums squares in 16 lanes and uses 1/sqrtf, torch reduces in its
@@ -82,8 +83,7 @@ def test_kernel_can_be_turned_off(monkeypatch):
         load_cpu_kernels.cache_clear()
 
 
-@needs_kernel
-def test_rope_store_kv_matches_the_torch_path_bit_for_bit():
+def test_rope_store_kv_matches_the_torch_path_bit_for_bit(kernels):
     from specray.models.attention import write_kv
 
     gen = torch.Generator().manual_seed(3)
@@ -124,3 +124,34 @@ def test_a_new_build_prunes_builds_unused_for_a_month(tmp_path):
     in_progress.mkdir()  # a build another process has not finished: no library yet
     assert prune_stale_builds(tmp_path, keep=current) == [old]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "in-progress", "recent"]
+
+
+BROKEN_SOURCES = {
+    "syntax error": "int specray_small_gemm(const float *x {\n",  # the compiler rejects it
+    "missing entry points": "int unrelated(void) { return 0; }\n",  # builds, but the library lacks the API
+}
+
+
+@pytest.mark.parametrize("source", BROKEN_SOURCES.values(), ids=BROKEN_SOURCES.keys())
+def test_a_failed_build_with_a_compiler_fails_the_kernel_tests(source, tmp_path, monkeypatch):
+    """The helper the kernel tests build through: a broken kernel source must fail them, not skip them."""
+    if cpu_kernels.find_compiler() is None:
+        pytest.skip(no_compiler_reason())
+    broken = tmp_path / "broken.c"
+    broken.write_text(source)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    monkeypatch.setenv("SPECRAY_CACHE", str(tmp_path / "cache"))  # not the real build's cache
+    with pytest.raises(pytest.fail.Exception, match="has a C compiler, but specray's CPU kernels failed to build"):
+        built_kernels()
+    # a user's job is not stopped by it: the layers fall back to torch's ops
+    load_cpu_kernels.cache_clear()
+    try:
+        assert load_cpu_kernels() is None
+    finally:
+        load_cpu_kernels.cache_clear()
+
+
+def test_without_a_compiler_the_kernel_tests_skip_and_say_why(monkeypatch):
+    monkeypatch.setenv("CC", "specray-test-no-such-compiler")
+    with pytest.raises(pytest.skip.Exception, match="no C compiler on this machine .*'specray-test-no-such-compiler'"):
+        built_kernels()

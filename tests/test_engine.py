@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from checkpoints import make_checkpoint
 
-from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
-from specray.models.presets import PRESETS
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 
 PROMPTS = [list(range(1, 1 + n)) for n in (5, 30, 13, 61, 2, 44)]
 
@@ -57,8 +59,54 @@ def test_stop_tokens_and_eos(llm):
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop_token_ids=(stop,)))[0]
     assert out.token_ids == free[: free.index(stop) + 1]
     assert out.finish_reason == "stop"
-    eos = PRESETS["tiny-llama"]["eos_token_id"]
-    assert eos not in llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30))[0].token_ids[:-1]
+
+
+EOS_PROMPT, EOS_MAX_TOKENS = [7, 3, 91, 12, 250], 24
+
+
+@pytest.fixture(scope="module")
+def eos_case(tmp_path_factory) -> tuple[str, list[int], int]:
+    """(checkpoint, its free-running greedy tokens, their EOS index): a tiny Llama whose
+    config.json names as EOS the token its own weights emit (the argmax) at a known step after
+    EOS_PROMPT, so the model really stops there. Random weights never emit a preset's EOS id."""
+    root = tmp_path_factory.mktemp("eos")
+    free_dir = make_checkpoint("llama", root / "free", seed=5)  # eos_token_id None: nothing stops it
+    config = EngineConfig(model=str(free_dir), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))
+    with LLM(config) as free_llm:
+        free = free_llm.generate([EOS_PROMPT], SamplingParams(max_tokens=EOS_MAX_TOKENS))[0].token_ids
+    # the first token, from the 4th on, that the model had not emitted before: it stops there
+    at = next(i for i in range(3, len(free) - 4) if free[i] not in free[:i])
+    eos_dir = shutil.copytree(free_dir, root / "eos")
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    (eos_dir / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=free[at])))
+    return str(eos_dir), free, at
+
+
+def _eos_config(model: str, spec: SpecConfig | None = None) -> EngineConfig:
+    return EngineConfig(model=model, kv=KVConfig(tokens_per_block=32, capacity_tokens=1024), spec=spec)
+
+
+@pytest.mark.parametrize("drafting", [None, "self", "eagle3"])
+def test_generation_stops_at_the_models_eos(eos_case, drafting, tmp_path):
+    """Local and speculative decoding: EOS ends the request (as the last token), inside
+    accepted drafts too (drafting with the target itself accepts nearly every draft), and
+    ignore_eos runs on to max_tokens."""
+    model, free, at = eos_case
+    spec = None
+    if drafting == "self":
+        spec = SpecConfig(method="draft_model", draft_model=model, num_draft_tokens=4)
+    elif drafting == "eagle3":
+        from specray.models.drafter_presets import write_drafter_for
+
+        spec = SpecConfig(method="eagle3", draft_model=str(write_drafter_for(model, "eagle3", tmp_path / "d")))
+    with LLM(_eos_config(model, spec)) as llm:
+        stopped = llm.generate([EOS_PROMPT], SamplingParams(max_tokens=EOS_MAX_TOKENS))[0]
+        ignored = llm.generate([EOS_PROMPT], SamplingParams(max_tokens=EOS_MAX_TOKENS, ignore_eos=True))[0]
+    assert llm.config.spec.is_enabled == (drafting is not None)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:at + 1]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free
+    if drafting == "self":  # EOS came out of accepted drafts, not only as a bonus token
+        assert stopped.metrics["num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("prompt, params, message", [

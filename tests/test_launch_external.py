@@ -102,3 +102,37 @@ def test_torchrun_dash_m_specray_generate(tiny_checkpoints):
     id_lines = [line for line in done.stdout.splitlines() if line.startswith("output ids:")]
     assert id_lines == ["output ids: " + ",".join(map(str, expected))]  # once: rank 0 only
     assert done.stdout.count("target pool:") == 1
+
+
+def test_mpirun_style_variables_without_torchrun_run_generate_on_two_ranks(tiny_checkpoints):
+    """What mpirun or srun wrappers start: every process gets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT but no TORCHELASTIC_RUN_ID. ``specray generate`` must take the
+    job's world size as --tp and the external launcher, as under torchrun."""
+    model = tiny_checkpoints("llama")
+    prompt = [5, 6, 7, 8, 9]
+    with LLM(EngineConfig(model=str(model), kv=KVConfig(capacity_tokens=512))) as llm:
+        from specray import SamplingParams
+
+        expected = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    port = _free_port()  # rank 0 hosts the store there (env:// rendezvous)
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in _env().items() if not k.startswith("TORCHELASTIC_")}
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "specray", "generate", "--model", str(model), "--prompt-ids",
+               ",".join(map(str, prompt)), "--max-tokens", "12", "--ignore-eos", "--kv-capacity-tokens", "512"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two ranks did not finish in time")
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    assert [line for line in outs[0].splitlines() if line.startswith("output ids:")] == [
+        "output ids: " + ",".join(map(str, expected))]
+    assert outs[0].count("target pool:") == 1 and outs[1] == ""  # rank 0 speaks, rank 1 is silent

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 from checkpoints import make_checkpoint
 
+import specray.launch.mp  # noqa: F401  (imported plainly: an import error must fail these tests, never skip them)
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.models.drafter_presets import write_drafter_for
-
-pytest.importorskip("specray.launch.mp", reason="the mp launcher is not in this build")
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30, 13)]
 PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)

@@ -21,6 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from specray.envs import torchrun_env_present  # noqa: F401  (defined once, there; kept importable here)
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -64,10 +66,6 @@ def host_store(timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def torchrun_env_present(environ=os.environ) -> bool:
-    return "TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "WORLD_SIZE" in environ)
 
 
 def from_torchrun_env(environ=os.environ) -> Rendezvous:

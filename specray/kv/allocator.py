@@ -6,8 +6,10 @@ hands out in step plans. A page is either free or owned by exactly one sequence.
 
 from __future__ import annotations
 
+from specray.errors import SpecrayError
 
-class OutOfBlocks(Exception):
+
+class OutOfBlocks(SpecrayError):
     """Raised when an allocation asks for more pages than are free."""
 
 

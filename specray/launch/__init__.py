@@ -8,8 +8,8 @@ before any process or process group starts.
 from __future__ import annotations
 
 from specray.comm.context import DistContext
-from specray.comm.rendezvous import torchrun_env_present
 from specray.config import EngineConfig
+from specray.envs import torchrun_env_present
 from specray.launch.mapping import validate_mapping
 from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model

@@ -5,8 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
+from specray.errors import SpecrayError
 
-class RankFailure(RuntimeError):
+
+class RankFailure(SpecrayError, RuntimeError):
     """A rank died, hung or failed; ``ranks`` names those that died, else those that hung
     (alive and silent while a peer timed out), else the first that failed."""
 

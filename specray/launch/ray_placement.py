@@ -21,9 +21,10 @@ import ipaddress
 from dataclasses import dataclass
 
 from specray.config import ParallelConfig
+from specray.errors import SpecrayError
 
 
-class PlacementTimeout(RuntimeError):
+class PlacementTimeout(SpecrayError, RuntimeError):
     """The placement group was not ready within ``ParallelConfig.placement_timeout_s``."""
 
 

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specray.errors import require_keys
+
 
 @dataclass(frozen=True, slots=True)
 class Family:
@@ -74,10 +76,21 @@ def read_arch(checkpoint_dir: str | Path) -> ModelArch:
     if not path.is_file():
         raise ValueError(f"checkpoint directory {str(checkpoint_dir)!r} has no config.json")
     cfg = json.loads(path.read_text())
-    return arch_from_hf_config(cfg, source=str(checkpoint_dir))
+    return arch_from_hf_config(cfg, source=str(path))
+
+
+# The keys every target config must have, and what each is for (the rest have defaults).
+REQUIRED_KEYS = {
+    "vocab_size": "the vocabulary size: rows of the embedding and the LM head",
+    "hidden_size": "the width of the residual stream",
+    "num_hidden_layers": "the number of decoder layers",
+    "num_attention_heads": "the query heads of each attention layer",
+}
 
 
 def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
+    """The architecture a Hugging Face config describes; ``source`` (the file, or a preset's
+    name) is named in every error."""
     archs = cfg.get("architectures") or []
     supported = [a for a in archs if a in FAMILIES]
     if not supported:
@@ -89,11 +102,15 @@ def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; only 'default' RoPE is")
+    require_keys(cfg, REQUIRED_KEYS, source)
     num_heads = cfg["num_attention_heads"]
     num_layers = cfg["num_hidden_layers"]
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
     moe_layers: tuple[int, ...] = ()
     if num_experts and FAMILIES[supported[0]].moe_prefix:
+        family = FAMILIES[supported[0]]
+        require_keys(cfg, {family.expert_size_key: "the intermediate size of one expert",
+                           "num_experts_per_tok": "how many experts each token is routed to"}, source)
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specray.errors import SpecrayError
 from specray.models.presets import cache_root
 
 log = logging.getLogger(__name__)
@@ -162,33 +163,51 @@ def prune_stale_builds(root: Path, keep: Path, max_age_days: float = STALE_BUILD
     return removed
 
 
-@functools.cache
-def load_cpu_kernels() -> CpuKernels | None:
-    """The kernels, built if this machine has none cached; None where they cannot be had."""
-    if os.environ.get("SPECRAY_CPU_KERNELS", "1").strip() == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler: CPU layers use torch's ops only")
-        return None
+class KernelBuildError(SpecrayError, RuntimeError):
+    """A C compiler is here, but specray's CPU kernels did not build or load (the message
+    carries the compiler's output)."""
+
+
+def find_compiler() -> str | None:
+    """The C compiler's path (``$CC``, else ``cc``), or None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def build_cpu_kernels(compiler: str) -> CpuKernels:
+    """The kernels from ``SOURCES``, built with ``compiler`` unless this exact build is cached;
+    raises ``KernelBuildError`` when the compiler cannot build or the library cannot load."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("could not run the C compiler %s (%s); using torch's ops", compiler, e)
-        return None
-    parts = [*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS), _cpu_flags()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-    target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
-    try:
+        parts = [*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS), _cpu_flags()]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+        target = cache_root() / "kernels" / key[:16] / "libspecray_cpu.so"
         if not target.exists():
             _build(compiler, target)
             prune_stale_builds(target.parent.parent, keep=target.parent)
         else:
             _touch(target)
         return CpuKernels(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:  # AttributeError: a missing symbol
         detail = getattr(e, "stderr", "") or e
-        log.warning("could not build specray's CPU kernels (%s); using torch's ops", detail)
+        raise KernelBuildError(f"could not build specray's CPU kernels with {compiler}: {detail}") from e
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, built if this machine has none cached; None where they cannot be had.
+
+    A failed build is logged and serves with torch's ops (a user's job keeps running); the
+    test suite builds through ``build_cpu_kernels`` instead, so there a failed build fails."""
+    if os.environ.get("SPECRAY_CPU_KERNELS", "1").strip() == "0":
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        log.info("no C compiler: CPU layers use torch's ops only")
+        return None
+    try:
+        return build_cpu_kernels(compiler)
+    except KernelBuildError as e:
+        log.warning("%s; using torch's ops", e)
         return None
 
 

@@ -111,6 +111,6 @@ def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path
         cfg.pop("layer_types", None)
         write_checkpoint(directory, cfg, early_exit_weights(weights, 1))
         return directory
-    cfg = head_config(method, arch_from_hf_config(target_cfg, source=str(target_dir)))
+    cfg = head_config(method, arch_from_hf_config(target_cfg, source=str(target_dir / "config.json")))
     write_checkpoint(directory, cfg, head_weights(method, cfg, seed))
     return directory

@@ -12,6 +12,7 @@ import pickle
 import zlib
 
 from specray.comm.group import Group
+from specray.errors import SpecrayError
 
 
 def fold(digest: int, tokens: list) -> int:
@@ -20,7 +21,7 @@ def fold(digest: int, tokens: list) -> int:
     return zlib.crc32(pickle.dumps(tokens, protocol=pickle.HIGHEST_PROTOCOL), digest)
 
 
-class TokenDivergence(RuntimeError):
+class TokenDivergence(SpecrayError, RuntimeError):
     """Ranks sampled different tokens: the shards or collectives disagree."""
 
 

@@ -7,8 +7,10 @@ block table and the sampling state; the plan only carries what changed.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -51,6 +53,8 @@ class RankWorker:
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
+        step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
+        self._step_file = Path(step_dir) / f"rank{ctx.rank}.steps" if step_dir else None
 
     @property
     def arch(self) -> ModelArch:
@@ -117,6 +121,8 @@ class RankWorker:
         if tokens:
             self.num_steps += 1
             self.token_digest = fold(self.token_digest, tokens)
+            if self._step_file is not None:  # lets a test act while a call is surely in progress
+                self._step_file.write_text(str(self.num_steps))
             if self.config.parallel.check_every_step:
                 check_same_on_every_rank(self.ctx.cpu, (plan.seq_ids, tokens), f"step {self.num_steps} tokens")
         if plan.is_call_end:

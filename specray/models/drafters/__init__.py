@@ -20,11 +20,20 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig
+from specray.errors import require_keys
 from specray.models.arch import arch_from_hf_config
 from specray.models.loader import CheckpointReader
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
 
 HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
+# The keys each head's config.json must have beyond the layer sizes, and what each is for.
+HEAD_KEYS = {
+    "eagle3": {"target_layer_ids": "the target layers whose outputs the drafter reads"},
+    "mtp": {},
+    "dflash": {"target_layer_ids": "the target layers whose outputs form the drafter's context",
+               "block_size": "the block length the drafter was trained for (k must be <= block_size - 1)",
+               "mask_token_id": "the token that fills the positions the drafter predicts"},
+}
 
 
 def drafter_checkpoint(config: EngineConfig) -> Path:
@@ -43,7 +52,9 @@ def _head_arch(cfg: dict, path: Path, method: str, target):
     if cfg.get("architectures") != [want]:
         raise ValueError(f"drafter checkpoint {str(path)!r} has architectures {cfg.get('architectures')}, "
                          f"but spec method {method!r} needs [{want!r}]")
-    arch = arch_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]), source=str(path))
+    source = f"{method} drafter config {str(path / 'config.json')!r}"
+    require_keys(cfg, HEAD_KEYS[method], source)
+    arch = arch_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]), source=source)
     t = target.arch
     if arch.vocab_size != t.vocab_size or arch.hidden_size != t.hidden_size:
         raise ValueError(f"drafter {str(path)!r} has vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}; "
