@@ -1,4 +1,4 @@
-"""`specray generate | bench`.
+"""`specray generate | chat | bench`.
 
 The engine and sampling flags are declared once (``add_engine_arguments``,
 ``add_sampling_arguments``) and shared by every subcommand; ``engine_config_from_args``
@@ -40,7 +40,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of EngineConfig, ParallelConfig, KVConfig and SpecConfig (defaults are theirs)."""
     e, p, kv, s = EngineConfig(), ParallelConfig(), KVConfig(), SpecConfig()
     g = parser.add_argument_group("model and device")
-    g.add_argument("--model", default=e.model, help="a built-in preset or a Hugging Face checkpoint directory")
+    g.add_argument("--model", default=e.model, help="the built-in smollm2-135m, a random-weight preset, a Hugging "
+                   "Face checkpoint directory or a .gguf file")
     g.add_argument("--device", default=e.device, help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together")
@@ -123,7 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=_int_list, help="token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=int, default=SamplingParams().max_tokens)
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens even past EOS")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(run=run_generate)
+
+    chat = commands.add_parser("chat", parents=[shared], help="an interactive chat (one turn per line, /exit)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    chat.set_defaults(run=run_chat)
 
     bench = commands.add_parser("bench", parents=[shared], help="plain-decoding throughput and latency sweep")
     bench.add_argument("--input-len", type=int, default=128)
@@ -143,21 +151,22 @@ def _print_geometry(llm) -> None:
         print(geometry.describe(name))
 
 
+def _print_stats(out, elapsed: float) -> None:
+    n, m = len(out.token_ids), out.metrics
+    line = (f"{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s (TTFT {m['ttft_s'] * 1e3:.1f} ms, "
+            f"TPOT {m['tpot_s'] * 1e3:.2f} ms, finish: {out.finish_reason})")
+    if "acceptance_length" in m:
+        line += f", acceptance length {m['acceptance_length']:.2f}"
+    print(line, file=sys.stderr)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from specray.llm import LLM
-    from specray.models.presets import is_preset, resolve_model
-    from specray.models.tokenizer import load_tokenizer
 
     config = engine_config_from_args(args)
-    params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    checkpoint = resolve_model(config.model, config.seed)
-    try:
-        tokenizer = load_tokenizer(checkpoint, is_byte_level=is_preset(config.model))
-    except ValueError:
-        if args.prompt is not None:
-            raise
-        tokenizer = None  # ids in, ids out: no tokenizer needed
-    prompt = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
+    params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                                       stop=tuple(args.stop))
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
     with LLM(config) as llm:
         is_printing = llm.rank == 0  # under torchrun every rank runs this; rank 0 speaks
         if is_printing:
@@ -167,13 +176,40 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     if not is_printing:
         return 0
-    if tokenizer is not None:
-        print(tokenizer.decode(out.token_ids))
+    if out.text or args.prompt is not None:
+        print(out.text)
     if args.prompt_ids is not None:
         print("output ids:", ",".join(map(str, out.token_ids)))
-    n, m = len(out.token_ids), out.metrics
-    print(f"{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s (TTFT {m['ttft_s'] * 1e3:.1f} ms, "
-          f"TPOT {m['tpot_s'] * 1e3:.2f} ms, finish: {out.finish_reason})")
+    _print_stats(out, elapsed)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """One turn per input line, the conversation kept; ``/exit`` or end of input ends it."""
+    from specray.launch import resolve_launcher
+    from specray.llm import LLM
+
+    config = engine_config_from_args(args)
+    if resolve_launcher(config) == "external":
+        raise ValueError("specray chat reads the terminal on one process; under torchrun use `specray generate` "
+                         "or pass --launcher mp/ray")
+    params = sampling_params_from_args(args, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    with LLM(config) as llm:
+        _print_geometry(llm)
+        print("type a message, /exit to quit", file=sys.stderr)
+        for line in sys.stdin:
+            line = line.rstrip("\n")
+            if line.strip() == "/exit":
+                break
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            start = time.perf_counter()
+            out = llm.chat(history, params)[0]
+            print(out.text, flush=True)
+            _print_stats(out, time.perf_counter() - start)
+            history.append({"role": "assistant", "content": out.text})
     return 0
 
 
