@@ -151,13 +151,13 @@ def _print_geometry(llm) -> None:
         print(geometry.describe(name))
 
 
-def _print_stats(out, elapsed: float) -> None:
+def _print_stats(out, elapsed: float, file=None) -> None:
     n, m = len(out.token_ids), out.metrics
     line = (f"{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s (TTFT {m['ttft_s'] * 1e3:.1f} ms, "
             f"TPOT {m['tpot_s'] * 1e3:.2f} ms, finish: {out.finish_reason})")
     if "acceptance_length" in m:
         line += f", acceptance length {m['acceptance_length']:.2f}"
-    print(line, file=sys.stderr)
+    print(line, file=file or sys.stdout)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -208,7 +208,7 @@ def run_chat(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             out = llm.chat(history, params)[0]
             print(out.text, flush=True)
-            _print_stats(out, time.perf_counter() - start)
+            _print_stats(out, time.perf_counter() - start, file=sys.stderr)
             history.append({"role": "assistant", "content": out.text})
     return 0
 

@@ -88,7 +88,7 @@ def test_checkpoint_without_tokenizer_takes_ids_but_not_text(capsys, hf_checkpoi
     assert out.splitlines()[1].startswith("output ids: ")  # no text line: nothing to decode with
     code, _, err = run_cli(capsys, "generate", "--model", str(hf_checkpoint), "--prompt", "hi", *KV)
     assert code == 2
-    assert err.startswith("error: ") and "has no tokenizer.json" in err and "--prompt-ids" in err
+    assert err.startswith("error: ") and "a text prompt needs a tokenizer" in err and "pass token ids" in err
 
 
 @pytest.mark.parametrize("argv, rule", [
@@ -156,3 +156,23 @@ def test_python_dash_m_specray_runs_generate():
                              "--ignore-eos", *KV], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert SUMMARY.search(result.stdout).group(1) == "3"
+
+
+def test_generate_and_chat_on_the_real_model(capsys, monkeypatch):
+    import io
+
+    with LLM(EngineConfig(model="smollm2-135m", kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as llm:
+        expected = llm.generate("The capital of France is", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        first = llm.chat([{"role": "user", "content": "Hi, I am Ada."}], SamplingParams(max_tokens=12))[0]
+        second = llm.chat([{"role": "user", "content": "Hi, I am Ada."}, {"role": "assistant", "content": first.text},
+                           {"role": "user", "content": "Who am I?"}], SamplingParams(max_tokens=12))[0]
+    real = ["--model", "smollm2-135m", *KV]
+    code, out, _ = run_cli(capsys, "generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                           "--ignore-eos", *real)
+    assert code == 0 and printed_text(out) == expected.text and " Paris" in expected.text
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi, I am Ada.\n\nWho am I?\n/exit\nnever read\n"))
+    code, out, err = run_cli(capsys, "chat", "--max-tokens", "12", *real)
+    assert code == 0
+    answers = out.split("\n", 1)[1]  # after the pool line: one answer per turn, the history kept
+    assert answers == f"{first.text}\n{second.text}\n"
+    assert "/exit to quit" in err and len(SUMMARY.findall(err)) == 2
