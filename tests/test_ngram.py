@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray.executor.scheduler import Scheduler, Sequence
+from specray.executor.spec_metrics import aggregate, request_metrics
 from specray.executor.verify import accept_rejection, one_hot_draft_probs
+from specray.kv.allocator import BlockAllocator
 from specray.kv.agreement import RankReport, decide
 from specray.kv.geometry import KVLayout
 from specray.kv.page_size import choose_draft_page_size
@@ -53,6 +56,37 @@ def test_one_hot_drafts_are_accepted_with_the_target_probability():
         n, bonus = accept_rejection(p, one_hot_draft_probs([1], 3), [1], gen)
         first[1 if n else bonus] += 1
     assert torch.allclose(first / 4000, p[0], atol=0.03)
+
+
+# ---- metrics and page accounting with drafts of any length --------------------------------
+
+def test_metrics_count_only_the_steps_that_verified_drafts():
+    # three verify steps that proposed 3, 1 and 2 drafts (k = 3) and accepted 2, 0 and 1
+    m = request_metrics([2, 0, 1], 3, [3, 1, 2])
+    assert (m["num_verify_steps"], m["num_draft_tokens"], m["num_accepted_tokens"]) == (3, 6, 3)
+    assert m["acceptance_length"] == 2.0  # (3 accepted + 3 bonus) / 3 steps
+    assert m["acceptance_per_position"] == [2 / 3, 1 / 3, 0.0]  # over all 3 steps, as vLLM divides
+    assert m["acceptance_histogram"] == [1, 1, 1, 0]
+    none = request_metrics([], 3, [])
+    assert (none["num_verify_steps"], none["num_draft_tokens"], none["acceptance_length"]) == (0, 0, 1.0)
+    total = aggregate([dict(m), dict(none)])
+    assert (total["acceptance_length"], total["acceptance_rate"]) == (2.0, 0.5)
+
+
+def test_scheduler_rolls_back_the_pages_of_short_and_missing_drafts():
+    target = BlockAllocator(16)
+    sched = Scheduler(target, 8, max_num_seqs=4, max_num_batched_tokens=1024, num_draft_tokens=4)
+    seq = Sequence(0, list(range(15)), 15, SamplingParams(max_tokens=50), seed=0)
+    sched.add(seq)
+    sched.schedule()  # prefill 15 tokens + 4 lookahead: 3 pages of 8
+    sched.finish_step([[100]], [0])
+    assert sched.schedule().num_drafts == [4]  # at most k
+    sched.finish_step([[101]], [0])  # the drafter found nothing: a plain decode step
+    assert seq.num_computed == 16 and seq.accepted_counts == [] and len(seq.block_table) == 2
+    assert sched.schedule().truncated == {0: (2, 0)}
+    sched.finish_step([[1, 2, 102]], [2])  # two drafts proposed, both accepted, plus the bonus
+    assert seq.num_computed == 19 and seq.accepted_counts == [2] and seq.draft_counts == [2]
+    assert target.num_free + len(seq.block_table) == 16
 
 
 # ---- config, CLI, geometry --------------------------------------------------------------

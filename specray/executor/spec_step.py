@@ -61,6 +61,7 @@ class SpecRunner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """New tokens per scheduled sequence: accepted drafts plus the bonus token."""
         self._apply_deltas(plan)
+        self.num_drafts = []
         if not plan.seq_ids:
             return []
         drafts, draft_probs = self._draft(plan)
