@@ -62,15 +62,17 @@ def test_one_hot_drafts_are_accepted_with_the_target_probability():
 
 def test_metrics_count_only_the_steps_that_verified_drafts():
     # three verify steps that proposed 3, 1 and 2 drafts (k = 3) and accepted 2, 0 and 1
-    m = request_metrics([2, 0, 1], 3, [3, 1, 2])
+    # ... out of 5 decode steps: the other two found no draft
+    m = request_metrics([2, 0, 1], 3, [3, 1, 2], num_decode_steps=5)
     assert (m["num_verify_steps"], m["num_draft_tokens"], m["num_accepted_tokens"]) == (3, 6, 3)
+    assert m["tokens_per_decode_step"] == 1.6  # (3 accepted + 5 tokens the target drew) / 5 forwards
     assert m["acceptance_length"] == 2.0  # (3 accepted + 3 bonus) / 3 steps
     assert m["acceptance_per_position"] == [2 / 3, 1 / 3, 0.0]  # over all 3 steps, as vLLM divides
     assert m["acceptance_histogram"] == [1, 1, 1, 0]
-    none = request_metrics([], 3, [])
+    none = request_metrics([], 3, [], num_decode_steps=3)
     assert (none["num_verify_steps"], none["num_draft_tokens"], none["acceptance_length"]) == (0, 0, 1.0)
     total = aggregate([dict(m), dict(none)])
-    assert (total["acceptance_length"], total["acceptance_rate"]) == (2.0, 0.5)
+    assert (total["acceptance_length"], total["acceptance_rate"], total["tokens_per_decode_step"]) == (2.0, 0.5, 1.375)
 
 
 def test_scheduler_rolls_back_the_pages_of_short_and_missing_drafts():
@@ -142,14 +144,15 @@ def config(model="tiny-llama", k=3, page=32, capacity=8192, parallel=None, spec=
 
 
 def expected_drafting(prompt: list[int], output: list[int], max_tokens: int, k: int, min_n: int = 2,
-                      max_n: int = 4) -> tuple[int, int, int]:
-    """(verify steps, drafts proposed, drafts accepted) that greedy ngram decoding must show,
+                      max_n: int = 4) -> tuple[int, int, int, int]:
+    """(verify steps, drafts proposed, drafts accepted, decode steps) that greedy ngram decoding must show,
     replayed from the plain greedy ``output`` (longer than max_tokens by k + 1): the prefill
     emits output[0]; then each step drafts from the tokens so far and accepts the prefix
     that equals the greedy continuation."""
-    steps = proposed = accepted = 0
+    steps = proposed = accepted = decode_steps = 0
     j = 1
     while j < max_tokens:
+        decode_steps += 1
         drafts = find_ngram_drafts(prompt + output[:j], min_n, max_n, k)
         n = 0
         while n < len(drafts) and drafts[n] == output[j + n]:
@@ -157,7 +160,7 @@ def expected_drafting(prompt: list[int], output: list[int], max_tokens: int, k: 
         if drafts:
             steps, proposed, accepted = steps + 1, proposed + len(drafts), accepted + n
         j += n + 1
-    return steps, proposed, accepted
+    return steps, proposed, accepted, decode_steps
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +183,7 @@ def check_run(llm: LLM, plain_run, k: int) -> list:
     assert [o.token_ids for o in outs] == [p[:MAX_TOKENS] for p in plain]
     for prompt, o, p in zip(prompts, outs, plain):
         m = o.metrics
-        got = (m["num_verify_steps"], m["num_draft_tokens"], m["num_accepted_tokens"])
+        got = (m["num_verify_steps"], m["num_draft_tokens"], m["num_accepted_tokens"], m["num_decode_steps"])
         assert got == expected_drafting(prompt, p, MAX_TOKENS, k)
     assert llm.geometry.keys() == {"target"}
     return outs
@@ -226,6 +229,7 @@ def test_a_sequence_without_a_repeated_ngram_proposes_nothing(plain_runs):
     assert all(find_ngram_drafts(distinct + quiet.token_ids[:j], 8, 8, 3) == [] for j in range(1, 8))
     m = quiet.metrics
     assert (m["num_verify_steps"], m["num_draft_tokens"], m["acceptance_length"]) == (0, 0, 1.0)
+    assert (m["num_decode_steps"], m["tokens_per_decode_step"]) == (7, 1.0)
     assert busy.token_ids == plain_runs["tiny-llama"][1][0][:MAX_TOKENS]
     assert busy.metrics["num_draft_tokens"] > 0
 

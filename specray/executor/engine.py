@@ -139,7 +139,8 @@ class EngineCore:
         tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
         metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
         if num_draft_tokens:
-            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens, seq.draft_counts))
+            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens, seq.draft_counts,
+                                                        seq.num_decode_steps))
         return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, reason, metrics)
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ class Sequence:
     num_drafts_fed: int = 0  # most drafts the step being run may verify (k when it decodes)
     accepted_counts: list[int] = field(default_factory=list)  # drafts accepted, per verify step
     draft_counts: list[int] = field(default_factory=list)  # drafts proposed, per verify step
+    num_decode_steps: int = 0  # steps that decoded it, with drafts or without (not its prefills)
 
     @property
     def output_ids(self) -> list[int]:
@@ -200,6 +201,7 @@ class Scheduler:
             num_drafts = [seq.num_drafts_fed for seq in self.running]
         for seq, new, proposed in zip(list(self.running), tokens, num_drafts):
             new = new if isinstance(new, list) else [new]
+            seq.num_decode_steps += 1 if seq.num_drafts_fed else 0
             if proposed:  # a step that verified no draft was a plain decode step (as vLLM counts)
                 seq.accepted_counts.append(len(new) - 1)
                 seq.draft_counts.append(proposed)
