@@ -56,6 +56,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("tpot_p90_ms", "TPOT p90 ms", ".2f"),
     ("acceptance_length", "AL", ".2f"),  # speculative decoding only
     ("acceptance_rate", "accepted", ".2f"),
+    ("tokens_per_decode_step", "tok/step", ".2f"),  # below AL when steps go without drafts (ngram)
 ]
 
 
@@ -89,7 +90,8 @@ def _spec_columns(outputs) -> dict:
     from specray.executor.spec_metrics import aggregate
 
     agg = aggregate([o.metrics for o in outputs])
-    keys = ("acceptance_length", "acceptance_rate", "acceptance_per_position", "acceptance_histogram")
+    keys = ("acceptance_length", "acceptance_rate", "acceptance_per_position", "acceptance_histogram",
+            "tokens_per_decode_step")
     return {k: agg[k] for k in keys if k in agg}
 
 

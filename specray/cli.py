@@ -72,6 +72,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", type=int, default=s.num_draft_tokens, help="k: drafts per verify step")
     g.add_argument("--force-accepted-tokens", type=float, default=s.force_accepted_tokens,
                    help="benchmarking only, changes outputs: accept this many drafts per step")
+    g.add_argument("--prompt-lookup-min", type=int, default=s.prompt_lookup_min,
+                   help="ngram: shortest n-gram to match (default: --prompt-lookup-max, else 5)")
+    g.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max,
+                   help="ngram: longest n-gram to match, tried first (default: --prompt-lookup-min, else 5)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +106,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,
                     memory_fraction=args.kv_memory_fraction),
         spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                        force_accepted_tokens=args.force_accepted_tokens),
+                        force_accepted_tokens=args.force_accepted_tokens,
+                        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max),
     )
 
 

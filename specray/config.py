@@ -15,8 +15,10 @@ from specray.errors import ConfigError
 LAUNCHERS = ("auto", "local", "mp", "ray", "external")
 ALLREDUCE_MODES = ("auto", "one_shot", "torch")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp")
+SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp", "ngram")
 STANDALONE_DRAFTERS = ("draft_model", "dflash")
+POOL_LESS_DRAFTERS = ("ngram",)  # draft from token ids alone: no weights, no KV
+PROMPT_LOOKUP_DEFAULT = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 8, 256
 
@@ -140,13 +142,19 @@ class SpecConfig:
     """Speculative decoding; method None means plain decoding."""
 
     method: str | None = None
-    """draft_model | dflash | eagle3 | mtp, or None for plain decoding."""
+    """draft_model | dflash | eagle3 | mtp | ngram, or None for plain decoding."""
     draft_model: str | None = None
     """Drafter checkpoint directory or preset; None picks the preset matching the target."""
     num_draft_tokens: int = 4
-    """k: tokens drafted per verify step."""
+    """k: tokens drafted per verify step (ngram: at most k, fewer or none where nothing matches)."""
     force_accepted_tokens: float | None = None
     """Benchmarking only (changes outputs): accept this many drafts regardless of their value."""
+    prompt_lookup_min: int | None = None
+    """ngram: the shortest n-gram to match (vLLM's name). Unset: prompt_lookup_max if that is set,
+    else 5 (vLLM's default)."""
+    prompt_lookup_max: int | None = None
+    """ngram: the longest n-gram to match; longer matches are tried first. Unset: prompt_lookup_min
+    if that is set, else 5 (vLLM's default)."""
 
     def __post_init__(self) -> None:
         _require(self.method is None or self.method in SPEC_METHODS,
@@ -156,6 +164,25 @@ class SpecConfig:
         k = self.num_draft_tokens
         _require(f is None or 1.0 <= f <= k + 1,
                  f"force_accepted_tokens ({f}) must be within [1, num_draft_tokens + 1 = {k + 1}]")
+        self._resolve_prompt_lookup()
+
+    def _resolve_prompt_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            _require(lo is None and hi is None, f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) apply to "
+                     f"spec method 'ngram' only, not {self.method!r}: leave them unset")
+            return
+        _require(self.draft_model is None, f"spec method 'ngram' drafts from the sequence's own tokens: "
+                 f"draft_model ({self.draft_model!r}) must be unset")
+        # as vLLM: one bound given sets both, none gives both the default
+        if lo is None and hi is None:
+            lo = hi = PROMPT_LOOKUP_DEFAULT
+        lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            _require(isinstance(value, int) and value >= 1, f"{name} ({value}) must be an integer >= 1")
+        _require(lo <= hi, f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
 
     @property
     def is_enabled(self) -> bool:

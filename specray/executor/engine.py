@@ -142,7 +142,8 @@ class EngineCore:
             scheduler.add(seq)
         while scheduler.has_work:
             plan = scheduler.schedule()
-            scheduler.finish_step(self._step(plan))
+            tokens = self._step(plan)
+            scheduler.finish_step(tokens, self.worker.num_drafts)
         # Let the ranks forget the last finished sequences now rather than at the next call,
         # and compare their tokens (the call-end plan).
         end = scheduler.schedule()
@@ -157,7 +158,8 @@ class EngineCore:
         tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
         metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
         if num_draft_tokens:
-            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens))
+            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens, seq.draft_counts,
+                                                        seq.num_decode_steps))
         text = seq.text.finish() if seq.text is not None else ""
         return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, seq.finish_reason, metrics, text,
                              seq.stop_reason)

@@ -17,7 +17,7 @@ class StepPlan:
     preempted: list[int] = field(default_factory=list)  # block tables to reset
     finished: list[int] = field(default_factory=list)  # sequences to forget
     # Speculative decoding only (empty otherwise):
-    num_drafts: list[int] = field(default_factory=list)  # drafts to propose and verify, per sequence
+    num_drafts: list[int] = field(default_factory=list)  # most drafts to propose and verify, per sequence
     new_draft_blocks: list[list[int]] = field(default_factory=list)  # pages appended to draft block tables
     truncated: dict[int, tuple[int, int]] = field(default_factory=dict)  # rollback: (target, draft) table lengths
     is_shutdown: bool = False

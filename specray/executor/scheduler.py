@@ -17,7 +17,10 @@ Speculative decoding (``num_draft_tokens`` k > 0): a decoding sequence feeds its
 and the ranks append k drafts, so its pages cover ``len(token_ids) + k`` slots; after the
 step the drafts that were not accepted are rolled back: ``num_computed`` drops to the
 verified tokens and every page past them goes back to the free list (target and draft
-pool alike), and the next plan tells the ranks the new table lengths (``truncated``). A
+pool alike), and the next plan tells the ranks the new table lengths (``truncated``). The
+drafter may propose fewer than k (ngram: none where nothing matches): the pages for k are
+allocated all the same and the rollback frees what the shorter draft left empty; a step that
+verified no draft is a plain decode step and is not counted as a verify step. A
 standalone drafter's pool has its own allocator and page size; a sequence runs only when
 both pools have its pages, and preemption and finishing release both.
 """
@@ -56,8 +59,10 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
     draft_block_table: list[int] = field(default_factory=list)  # standalone drafter's pages
     num_draft_blocks_sent: int = 0
-    num_drafts_fed: int = 0  # drafts verified in the step being run
+    num_drafts_fed: int = 0  # most drafts the step being run may verify (k when it decodes)
     accepted_counts: list[int] = field(default_factory=list)  # drafts accepted, per verify step
+    draft_counts: list[int] = field(default_factory=list)  # drafts proposed, per verify step
+    num_decode_steps: int = 0  # steps that decoded it, with drafts or without (not its prefills)
 
     @property
     def output_ids(self) -> list[int]:
@@ -198,15 +203,19 @@ class Scheduler:
                 seq.num_draft_blocks_sent = len(seq.draft_block_table)
         return plan
 
-    def finish_step(self, tokens: list[int] | list[list[int]]) -> list[Sequence]:
+    def finish_step(self, tokens: list[int] | list[list[int]], num_drafts: list[int] | None = None) -> list[Sequence]:
         """Record the new tokens of every scheduled sequence (one int each in plain decoding,
-        a list of accepted drafts plus the bonus token when it verified drafts); returns the
-        sequences that finished."""
+        a list of accepted drafts plus the bonus token when it verified drafts) and how many
+        drafts each verified (None: as many as planned); returns the sequences that finished."""
         finished = []
-        for seq, new in zip(list(self.running), tokens):
+        if num_drafts is None:
+            num_drafts = [seq.num_drafts_fed for seq in self.running]
+        for seq, new, proposed in zip(list(self.running), tokens, num_drafts):
             new = new if isinstance(new, list) else [new]
-            if seq.num_drafts_fed:
+            seq.num_decode_steps += 1 if seq.num_drafts_fed else 0
+            if proposed:  # a step that verified no draft was a plain decode step (as vLLM counts)
                 seq.accepted_counts.append(len(new) - 1)
+                seq.draft_counts.append(proposed)
             # every fed token is cached except the rejected drafts; the last new token is not fed yet
             seq.num_computed = len(seq.token_ids) + len(new) - 1
             for token in new:

@@ -6,11 +6,13 @@ the new tokens go back to the coordinator, and its rollback comes back as a plan
 
 For a sequence of L tokens whose target KV covers [0, L - 1) and that drafts this step:
 
-1. the drafter proposes d_1..d_k (``models/drafters``), writing its KV below L + k;
-2. the target scores [t_{L-1}, d_1..d_k] at positions L-1 .. L+k-1 in one forward;
+1. the drafter proposes d_1..d_m, m <= k (``models/drafters``), writing its KV below L + k;
+   m varies per sequence (ngram finds fewer or none), and m = 0 makes the row a plain decode;
+2. the target scores [t_{L-1}, d_1..d_m] at positions L-1 .. L+m-1 in one forward;
 3. verification (``verify.py``) accepts n drafts and draws a bonus token: the new tokens
    are d_1..d_n, bonus; the target KV stays valid below L + n (the coordinator frees the
-   pages past it), the drafter's below min(consumed, L + n).
+   pages past it, which it allocated for k), the drafter's below min(consumed, L + n).
+   ``num_drafts`` keeps each row's m for the coordinator's metrics.
 
 A sequence that (re)computes its prompt runs on the target alone and samples one token.
 The state kept here per sequence is what the drafter needs next step: the tokens, how many
@@ -23,7 +25,7 @@ import torch
 
 from specray.executor.plan import StepPlan
 from specray.executor.sampling import probabilities, sample
-from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted
+from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
 from specray.models.attention import build_metadata
 from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq
 
@@ -38,6 +40,7 @@ class SpecRunner:
         self.tokens: dict[int, list[int]] = {}
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
         self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
+        self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:
@@ -58,14 +61,16 @@ class SpecRunner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """New tokens per scheduled sequence: accepted drafts plus the bonus token."""
         self._apply_deltas(plan)
+        self.num_drafts = []
         if not plan.seq_ids:
             return []
         drafts, draft_probs = self._draft(plan)
         inputs = [list(ids) + drafts.get(i, []) for i, ids in enumerate(plan.input_ids)]
-        logits, features = self._score(plan, inputs)
+        self.num_drafts = [len(drafts.get(i, [])) for i in range(len(inputs))]
+        logits, features = self._score(plan, inputs, self.num_drafts)
         out, offset, first_row = [], 0, 0
         for i, sid in enumerate(plan.seq_ids):
-            nd = len(drafts.get(i, []))
+            nd = self.num_drafts[i]
             new = self._verify(sid, logits[offset:offset + nd + 1], drafts.get(i, []), draft_probs.get(i))
             offset += nd + 1
             self._keep(i, sid, plan, len(new) - 1, features, first_row)
@@ -74,18 +79,26 @@ class SpecRunner:
             out.append(new)
         return out
 
+    def _draft_kv(self) -> tuple[list[torch.Tensor], int, dict[int, list[int]]]:
+        """Where the drafter keeps its KV: (pool layers, page size, block tables)."""
+        w = self.worker
+        if self.drafter.kv_layout is None:  # pool-less (ngram): drafts from token ids alone
+            return [], 0, {}
+        if self.drafter.is_standalone:
+            return w.draft_pools, w.geometry["draft"].tokens_per_block, self.draft_tables
+        # one-model: the drafter's layers are the target pool's last ones
+        return w.pools[w.arch.num_layers:], w.geometry["target"].tokens_per_block, w.block_tables
+
     def _draft(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-        """Drafts (and, for sampled requests, the draft distributions) by plan row."""
+        """Drafts (and, for sampled requests, the draft distributions) by plan row; a row whose
+        drafter proposed nothing is absent. ``plan.num_drafts`` is each row's most (k)."""
         rows = [i for i, n in enumerate(plan.num_drafts) if n]
         if not rows:
             return {}, {}
         w = self.worker
         sids = [plan.seq_ids[i] for i in rows]
-        if self.drafter.is_standalone:
-            pools, block_size, tables = w.draft_pools, w.geometry["draft"].tokens_per_block, self.draft_tables
-        else:  # one-model: the drafter's layers are the target pool's last ones
-            pools, block_size, tables = w.pools[w.arch.num_layers:], w.geometry["target"].tokens_per_block, w.block_tables
-        seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables[s]) for s in sids]
+        pools, block_size, tables = self._draft_kv()
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables.get(s, [])) for s in sids]
         batch = DraftBatch(seqs, self.k, pools, block_size, w.ctx.device)
         probs: dict[int, list[torch.Tensor]] = {}
 
@@ -99,15 +112,19 @@ class SpecRunner:
                     tokens[r] = torch.multinomial(p, 1, generator=gen)[0]
             return tokens
 
-        proposed = self.drafter.propose(batch, choose).tolist()
+        proposed = self.drafter.propose(batch, choose)  # [S, k] tensor, or one list of up to k per sequence
+        proposed = proposed.tolist() if isinstance(proposed, torch.Tensor) else proposed
         for sid, seq in zip(sids, seqs):
             length = len(seq.tokens)
             self.consumed[sid] = length + self.k - 1 if self.drafter.reuses_draft_kv else length - 1
             self.features[sid] = None
-        return dict(zip(rows, proposed)), {i: torch.stack(p) for i, p in probs.items()}
+        drafts = {row: list(d[:self.k]) for row, d in zip(rows, proposed) if len(d)}
+        return drafts, {i: torch.stack(p) for i, p in probs.items() if i in drafts}
 
-    def _score(self, plan: StepPlan, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's logits at every verified position, and its features at every row."""
+    def _score(self, plan: StepPlan, inputs: list[list[int]],
+               num_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits at every verified position (each row's last fed token and its
+        drafts), and its features at every row."""
         w = self.worker
         dev, lens = w.ctx.device, [len(x) for x in inputs]
         tables = [w.block_tables[sid] for sid in plan.seq_ids]
@@ -125,7 +142,7 @@ class SpecRunner:
         elif layers:
             features = hidden
         ends = torch.tensor(lens).cumsum(0).tolist()
-        scored = [r for end, n in zip(ends, plan.num_drafts or [0] * len(lens)) for r in range(end - n - 1, end)]
+        scored = [r for end, n in zip(ends, num_drafts) for r in range(end - n - 1, end)]
         return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
 
     def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
@@ -139,7 +156,10 @@ class SpecRunner:
             argmax = logits.argmax(-1).tolist()
             n = accept_greedy(argmax, drafts)
             return drafts[:n] + [argmax[n]]
-        n, bonus = accept_rejection(probabilities(logits, params), q, drafts, gen)
+        p = probabilities(logits, params)
+        if q is None:  # a drafter that does not sample (ngram) proposed each draft with probability 1
+            q = one_hot_draft_probs(drafts, p.shape[-1], p.dtype, p.device)
+        n, bonus = accept_rejection(p, q, drafts, gen)
         return drafts[:n] + [bonus]
 
     def _keep(self, row: int, sid: int, plan: StepPlan, num_accepted: int, features: torch.Tensor | None,

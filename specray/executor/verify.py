@@ -11,7 +11,9 @@ Rules:
 - sampling: accept draft j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
   rejection draw the replacement from normalise(max(0, p_j - q_j)); if all k are
   accepted draw the bonus from p_k. The emitted tokens are distributed as the target's
-  own samples (Leviathan et al. 2023, Chen et al. 2023).
+  own samples (Leviathan et al. 2023, Chen et al. 2023). A drafter that does not sample
+  (ngram) proposed d_j with probability 1: q_j is one-hot at d_j, so d_j is accepted with
+  probability p_j(d_j) and a rejection draws from p_j without d_j (as vLLM treats n-gram drafts).
 - forced acceptance (benchmarking only, changes outputs): the integer part of f is always
   emitted, one more with probability frac(f); the drafts in that prefix are accepted
   whatever their value and the bonus is the target's token after them.
@@ -50,6 +52,14 @@ def accept_rejection(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
         dist = residual / total if total > 0 else p[j]
         return j, int(torch.multinomial(dist, 1, generator=generator))
     return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def one_hot_draft_probs(drafts: list[int], vocab_size: int, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
+    """q for drafts proposed deterministically: row j puts all its mass on drafts[j]."""
+    q = torch.zeros(len(drafts), vocab_size, dtype=dtype, device=device)
+    q[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.int64)] = 1.0
+    return q
 
 
 def forced_num_emitted(force: float, k: int, generator: torch.Generator) -> int:

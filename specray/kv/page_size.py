@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specray.config import STANDALONE_DRAFTERS
+from specray.config import POOL_LESS_DRAFTERS, STANDALONE_DRAFTERS
 
 DRAFT_FALLBACK_PAGE_SIZE = 32
 
 
 def has_separate_draft_pool(method: str | None) -> bool:
     """Standalone drafters (draft_model, dflash) get their own pool; one-model drafters
-    (mtp, eagle3) put their layers in the target's pool; plain decoding has no draft pool."""
+    (mtp, eagle3) put their layers in the target's pool; pool-less drafters (ngram) and plain
+    decoding have no draft pool."""
     return method in STANDALONE_DRAFTERS
 
 
@@ -39,10 +40,11 @@ def choose_draft_page_size(method: str | None, target_page_size: int,
                            draft_kernels: Sequence[dict[str, frozenset[int]]]) -> int | None:
     """Page size of the draft pool, or None when there is none.
 
-    Rule: one-model drafters keep the target's page size; standalone drafters keep it when
+    Rule: plain decoding and pool-less drafters (ngram) have none; one-model drafters keep the
+    target's page size; standalone drafters keep it when
     every drafter kernel on every rank accepts it, else fall back to 32; if 32 is not
     accepted everywhere either, a clear error listing what each rank's kernels accept."""
-    if method is None:
+    if method is None or method in POOL_LESS_DRAFTERS:
         return None
     if not has_separate_draft_pool(method):
         return target_page_size

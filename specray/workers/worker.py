@@ -85,7 +85,8 @@ class RankWorker:
             narrowed = rank_page_sizes("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", ctx.rank)
             sizes = BLOCK_DECODE_PAGE_SIZES if narrowed is None else BLOCK_DECODE_PAGE_SIZES & narrowed
             draft_kernels = {"block_decode_attention": sizes}
-        elif self.drafter is not None:  # one-model drafter: its layers live in the target pool
+        elif self.drafter is not None and self.drafter.kv_layout is not None:
+            # one-model drafter: its layers live in the target pool (a pool-less one adds nothing)
             own = self.drafter.kv_layout
             if (own.num_kv_heads, own.head_dim) != (layout.num_kv_heads, layout.head_dim):
                 raise ValueError(f"{cfg.spec.method} layers need {own.num_kv_heads} kv heads of {own.head_dim} "
@@ -96,6 +97,12 @@ class RankWorker:
                           budget_bytes=kv_budget_bytes(fraction, cfg.kv, ctx.device), target_layout=layout,
                           target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
+
+    @property
+    def num_drafts(self) -> list[int] | None:
+        """Drafts verified per scheduled sequence in the last step (fewer than k, or none, where
+        the drafter proposed less), or None without a drafter."""
+        return self.spec.num_drafts if self.spec is not None else None
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:

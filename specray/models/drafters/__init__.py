@@ -6,9 +6,11 @@
 | ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
 | ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
 | ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+| ``ngram``       | pool-less  | none                       | 0..k (lookup)      | ngram.py          |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
 the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
+``ngram`` has no checkpoint: it drafts from each sequence's own tokens.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
     spec = config.spec
     if spec.method is None:
         return None
+    if spec.method == "ngram":  # no checkpoint to find: the factory is the one place that knows
+        from specray.models.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     path = drafter_checkpoint(config)
     if spec.method == "draft_model":
         from specray.models.drafters.draft_model import DraftModelDrafter
