@@ -4,11 +4,12 @@
 |---------------|------------|----------------------------|--------------------|-------------------|
 | ``draft_model`` | standalone | own pool, 32/64-token pages | 1 (autoregressive) | draft_model.py    |
 | ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
-| ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+| ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | eagle3.py         |
 | ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
 the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
+``eagle3`` and ``dflash`` read the published formats (formats.py detects which from config.json).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from specray.models.arch import arch_from_hf_config
 from specray.models.loader import CheckpointReader
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
 
-HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
+HEAD_ARCHITECTURES = {"mtp": "SpecrayMTPDrafter"}
 
 
 def drafter_checkpoint(config: EngineConfig) -> Path:
@@ -65,24 +66,17 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
         from specray.models.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.load(path, ctx, config.dtype, target)
+    if spec.method in ("eagle3", "dflash"):
+        from specray.models.drafters.published import load_published_drafter
+
+        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target)
     cfg = json.loads((path / "config.json").read_text())
     arch = _head_arch(cfg, path, spec.method, target)
     dtype = getattr(torch, config.dtype)
-    if spec.method == "dflash":
-        from specray.models.drafters.dflash import DFlashDrafter
+    from specray.models.drafters.common import FINAL_HIDDEN
+    from specray.models.drafters.hidden_state import HiddenStateDrafter
 
-        k, block = spec.num_draft_tokens, cfg["block_size"]
-        if k > block - 1:
-            raise ValueError(f"num_draft_tokens ({k}) must be <= block_size - 1 ({block - 1}) of dflash "
-                             f"drafter {str(path)!r}")
-        drafter = DFlashDrafter(arch, target, ctx, dtype, tuple(cfg["target_layer_ids"]), block,
-                                int(cfg["mask_token_id"]))
-    else:
-        from specray.models.drafters.common import FINAL_HIDDEN
-        from specray.models.drafters.hidden_state import HiddenStateDrafter
-
-        layers = tuple(cfg["target_layer_ids"]) if spec.method == "eagle3" else (FINAL_HIDDEN,)
-        drafter = HiddenStateDrafter(arch, target, ctx, dtype, layers)
+    drafter = HiddenStateDrafter(arch, target, ctx, dtype, (FINAL_HIDDEN,))
     reader = CheckpointReader(path, dtype, ctx.device)
     drafter.load(reader)
     reader.close()
