@@ -1,0 +1,359 @@
+"""Drafters in their published formats: EAGLE-3 (SpecForge's and speculators' layouts) and
+DFlash (z-lab's), checked against the reference implementations on tiny random checkpoints.
+
+References (installed ``--no-deps`` by the Makefile's TEST_REFERENCES):
+
+- DFlash: z-lab's ``dflash.model.DFlashDraftModel`` runs as is on CPU.
+- EAGLE-3: ``speculators``' own decoder layer (``models/eagle3/model_definitions``,
+  ``LlamaDecoderEagle3FirstLayer``). Importing the ``speculators`` package runs its
+  ``__init__``, which imports its training stack (openai, datasets, hs_connectors, a vLLM
+  client) that a drafter does not need; so the test loads the model-definition modules alone
+  from the installed package. The rest of EAGLE-3 outside the layer (fc, norm, lm_head, d2t,
+  the autoregressive feedback) is ``Eagle3DraftModel.forward``'s few lines, written out here
+  as the published equations. Its training forward (flex attention, test-time-training
+  masks) is not an inference path, so the layer runs with transformers' KV cache instead.
+
+Tolerance for draft logits: specray and the references compute the same float32 maths in a
+different order (fused q/k/v, paged attention, tiled softmax), so logits agree to ~1e-6
+relative, not bitwise; 1e-4 relative / 1e-5 absolute leaves margin and still catches any
+wrong term (which moves logits by ~1e-2 here). Draft tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checkpoints import load_reference, make_checkpoint
+from safetensors.torch import load_file, save_file
+
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray.comm.context import DistContext
+from specray.models.arch import read_arch
+from specray.models.drafter_presets import dflash_config, eagle3_config, head_weights
+from specray.models.drafters.common import DraftBatch, DraftSeq
+from specray.models.drafters.published import load_published_drafter
+from specray.models.presets import write_checkpoint
+from specray.workers.worker import load_model
+
+TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
+PAGE = 32
+
+
+def speculators_module(name: str):
+    """A module of the installed ``speculators`` without running its package ``__init__``."""
+    if "speculators" in sys.modules:
+        root = Path(sys.modules["speculators"].__path__[0])
+    else:
+        spec = importlib.util.find_spec("speculators")
+        if spec is None:
+            pytest.fail("speculators is not installed: `make venv` installs TEST_REFERENCES")
+        root = Path(spec.submodule_search_locations[0])
+    for pkg in ("speculators", "speculators.models", "speculators.models.eagle3"):
+        if pkg not in sys.modules:
+            module = types.ModuleType(pkg)
+            module.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]
+            sys.modules[pkg] = module
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("fmt") / "target", seed=3, num_hidden_layers=4)
+    return path, load_model(path, DistContext.single(), "float32"), load_reference(path)
+
+
+def write_eagle3(directory: Path, target_dir: Path, layout="specforge", draft_vocab=None, embed=False,
+                 seed=1, **overrides) -> Path:
+    cfg = dict(eagle3_config(read_arch(target_dir), layout, draft_vocab), **overrides)
+    write_checkpoint(directory, cfg, head_weights("eagle3", cfg, seed, with_embed=embed))
+    return directory
+
+
+def write_dflash(directory: Path, target_dir: Path, seed=1, **overrides) -> Path:
+    cfg = dict(dflash_config(read_arch(target_dir)), **overrides)
+    write_checkpoint(directory, cfg, head_weights("dflash", cfg, seed))
+    return directory
+
+
+def load(method, path, target_model, k=3):
+    return load_published_drafter(method, path, k, DistContext.single(), "float32", target_model)
+
+
+def propose(drafter, tokens, features, k, pools, consumed=0):
+    """specray's drafts [k] and their target-vocabulary logits [k, V] for one sequence."""
+    logits = []
+
+    def choose(row_logits, j):
+        logits.append(row_logits[0].clone())
+        return row_logits.argmax(-1)
+
+    table = list(range(pools[0].shape[0]))
+    batch = DraftBatch([DraftSeq(list(tokens), consumed, features, table)], k, pools, PAGE, torch.device("cpu"))
+    return drafter.propose(batch, choose)[0].tolist(), torch.stack(logits)
+
+
+def empty_pools(drafter, num_layers):
+    layout = drafter.kv_layout
+    return [torch.zeros(8, 2, layout.num_kv_heads, PAGE, layout.head_dim) for _ in range(num_layers)]
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+
+
+def eagle3_reference(path: Path, hf_target, tokens, features, k):
+    """EAGLE-3 drafting with speculators' decoder layer and the published equations."""
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    definitions = speculators_module("speculators.models.eagle3.model_definitions")
+    cfg = json.loads((path / "config.json").read_text())
+    layer_cfg = cfg.get("transformer_layer_config", cfg)
+    prefix = "layers.0." if "transformer_layer_config" in cfg else "midlayer."
+    config = LlamaConfig(**{key: layer_cfg[key] for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "rope_theta", "max_position_embeddings")}, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    w = load_file(path / "model.safetensors")
+    layer = definitions.LlamaDecoderEagle3FirstLayer(config, 0, cfg.get("norm_before_residual", False))
+    layer.load_state_dict({n[len(prefix):]: t for n, t in w.items() if n.startswith(prefix)})
+    layer.eval()
+    rotary, cache = LlamaRotaryEmbedding(config), DynamicCache(config=config)
+    embed = w.get("embed_tokens.weight", hf_target.model.embed_tokens.weight)
+    norm = lambda x: hf_target.model.norm.__class__(x.shape[-1], eps=config.rms_norm_eps)  # noqa: E731
+    final_norm = norm(torch.empty(config.hidden_size))
+    final_norm.weight.data.copy_(w["norm.weight"])
+    vocab = config.vocab_size
+    target_ids = torch.arange(w["lm_head.weight"].shape[0]) + w["d2t"] if "d2t" in w else None
+
+    def run(ids, h, start):
+        x = torch.cat([F.embedding(ids, embed), h], dim=-1)[None]
+        pos = torch.arange(start, start + len(ids))[None]
+        g = layer(x, position_ids=pos, past_key_values=cache, use_cache=True,
+                  position_embeddings=rotary(x, pos))[0]
+        draft = F.linear(final_norm(g[-1:]), w["lm_head.weight"])[0]
+        if target_ids is None:
+            return draft, g[-1:]
+        return torch.full((vocab,), float("-inf")).index_put((target_ids,), draft), g[-1:]
+
+    with torch.no_grad():
+        logits, g = run(torch.tensor(tokens[1:]), F.linear(features, w["fc.weight"]), 0)
+        out = [logits]
+        for j in range(1, k):
+            logits, g = run(out[-1].argmax()[None], g, len(tokens) - 2 + j)
+            out.append(logits)
+    out = torch.stack(out)
+    return out.argmax(-1).tolist(), out
+
+
+def target_features(target_model, hf_target, tokens, layers):
+    """The target's outputs of ``layers`` at every position but the last (transformers' run)."""
+    with torch.no_grad():
+        hidden = hf_target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i + 1][0, :-1] for i in layers], dim=-1)  # hidden_states[0] is the embedding
+
+
+@pytest.mark.parametrize("layout, draft_vocab, embed, extra", [
+    ("specforge", None, False, {}),
+    ("specforge", 200, False, {}),  # d2t
+    ("speculators", 200, True, {"norm_before_residual": True}),
+])
+def test_eagle3_drafts_equal_speculators_reference(target, tmp_path, layout, draft_vocab, embed, extra):
+    target_dir, model, hf = target
+    path = write_eagle3(tmp_path / "e3", target_dir, layout, draft_vocab, embed, **extra)
+    drafter = load("eagle3", path, model, k=4)
+    assert drafter.fmt.layout == ("LlamaForCausalLMEagle3" if layout == "specforge" else "Eagle3Speculator")
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45, 200, 13, 14, 15]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    drafts, logits = propose(drafter, tokens, features, 4, empty_pools(drafter, 1))
+    ref_drafts, ref_logits = eagle3_reference(path, hf, tokens, features, 4)
+    assert drafts == ref_drafts
+    finite = torch.isfinite(ref_logits)
+    assert torch.equal(finite, torch.isfinite(logits))  # d2t: the same target ids reachable
+    torch.testing.assert_close(logits[finite], ref_logits[finite], **TOL)
+
+
+def test_aux_layer_conventions_top_level_entering_and_nested_outputs_agree(target, tmp_path):
+    target_dir, model, hf = target
+    nested = write_eagle3(tmp_path / "nested", target_dir, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
+    top = tmp_path / "top"
+    shutil.copytree(nested, top)
+    cfg = json.loads((top / "config.json").read_text())
+    del cfg["eagle_config"]
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 4]
+    (top / "config.json").write_text(json.dumps(cfg))
+    a, b = load("eagle3", nested, model), load("eagle3", top, model)
+    assert a.feature_layers == b.feature_layers == (0, 1, 3)  # outputs of those target layers
+    tokens = list(range(10, 40))
+    features = target_features(model, hf, tokens, a.feature_layers)
+    da, la = propose(a, tokens, features, 3, empty_pools(a, 1))
+    db, lb = propose(b, tokens, features, 3, empty_pools(b, 1))
+    assert da == db and torch.equal(la, lb)
+    # with neither, vLLM's default: entering (2, L // 2, L - 3) = (2, 2, 1) for 4 layers -> outputs (1, 1, 0)
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (top / "config.json").write_text(json.dumps(cfg))
+    assert load("eagle3", top, model).feature_layers == (1, 1, 0)
+
+
+# --------------------------------------------------------------------------- DFlash
+
+
+def test_dflash_drafts_equal_zlab_reference(target, tmp_path):
+    from transformers import DynamicCache
+
+    from dflash.model import DFlashDraftModel, _crop_to
+
+    target_dir, model, hf = target
+    path = write_dflash(tmp_path / "df", target_dir, block_size=8)
+    drafter = load("dflash", path, model, k=7)
+    ref = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert ref.target_layer_ids == list(drafter.feature_layers) and ref.mask_token_id == drafter.mask_token_id
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45, 200, 13, 14, 15, 61]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    pools, cache = empty_pools(drafter, 2), DynamicCache(config=ref.config)
+    n = ref.block_size
+    # two steps: the prompt's context, then 5 more verified positions (the cache keeps the context only)
+    for consumed, length in ((0, 20), (19, 25)):
+        seq = tokens[:length]
+        drafts, logits = propose(drafter, seq, features[consumed:length - 1], 7, pools, consumed)
+        with torch.no_grad():
+            block = torch.tensor([[seq[-1]] + [ref.mask_token_id] * (n - 1)])
+            hidden = ref(target_hidden=features[None, consumed:length - 1],
+                         noise_embedding=F.embedding(block, hf.model.embed_tokens.weight),
+                         position_ids=torch.arange(consumed, length - 1 + n)[None],
+                         past_key_values=cache, use_cache=True)[:, 1 - n:]
+            _crop_to(cache, length - 1)
+            ref_logits = ref.compute_logits(hidden, hf.lm_head)[0]
+        assert drafts == ref_logits.argmax(-1).tolist()
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30)]  # prompt + 40 tokens crosses 32/64-token pages
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fmt-engine")
+    target_dir = make_checkpoint("llama", root / "target", seed=3, num_hidden_layers=3)
+    drafters = {"eagle3": write_eagle3(root / "eagle3", target_dir, "speculators", 200, True),
+                "dflash": write_dflash(root / "dflash", target_dir)}
+    return target_dir, drafters
+
+
+def engine(ckpts, method=None, k=3, page=32, tp=1) -> EngineConfig:
+    target_dir, drafters = ckpts
+    parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", check_every_step=tp > 1,
+                              timeout_s=60.0)
+    spec = SpecConfig(method=method, draft_model=str(drafters[method]) if method else None, num_draft_tokens=k)
+    return EngineConfig(model=str(target_dir), kv=KVConfig(tokens_per_block=page, capacity_tokens=4096),
+                        parallel=parallel, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def plain(engine_ckpts):
+    with LLM(engine(engine_ckpts)) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k, page, tp):
+    with LLM(engine(engine_ckpts, method, k, page, tp)) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain
+    assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("narrowed, target_page, expected", [(None, 64, 64), ("0:32", 64, 32), (None, 128, 32)])
+def test_dflash_draft_pool_page_size(engine_ckpts, monkeypatch, narrowed, target_page, expected):
+    if narrowed is None:
+        monkeypatch.delenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", raising=False)
+    else:
+        monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", narrowed)
+    with LLM(engine(engine_ckpts, "dflash", page=target_page)) as llm:
+        assert llm.geometry["target"].tokens_per_block == target_page
+        assert llm.geometry["draft"].tokens_per_block == expected
+        assert llm.geometry["draft"].num_layers == 2  # the drafter's own pool: its two layers
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _edit_config(path: Path, **changes) -> Path:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _edit_tensors(path: Path, drop=(), replace=None) -> Path:
+    w = load_file(path / "model.safetensors")
+    w = {n: t for n, t in w.items() if n not in drop}
+    w.update(replace or {})
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("make, edit, error", [
+    ("eagle3", dict(target_hidden_size=32), "target hidden states of size 32, but the target's hidden_size is 64"),
+    ("eagle3", dict(vocab_size=256), "vocab_size 256 .* but the target has 384"),
+    ("eagle3", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}),
+     r"eagle_config.eagle_aux_hidden_state_layer_ids \[0, 1, 4\] name target layer outputs \[4\], outside"),
+    ("eagle3", dict(eagle_aux_hidden_state_layer_ids=[0, 2, 3], eagle_config={}),
+     r"eagle_aux_hidden_state_layer_ids \[0, 2, 3\] name target layer outputs \[-1\]"),
+    ("eagle3", dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "disagree"),
+    ("dflash", dict(hidden_size=32), "hidden_size 32 but the target has 64"),
+    ("dflash", dict(dflash_config={"mask_token_id": 5, "target_layer_ids": [0, 9]}),
+     r"target_layer_ids \[9\] are outside the target's 4 layers"),
+    ("dflash", dict(dflash_config={"mask_token_id": 384, "target_layer_ids": [0]}), r"mask_token_id \(384\)"),
+    ("eagle3", dict(architectures=["SpecrayEagle3Drafter"]), "deprecated .* convert it to EAGLE-3 as SpecForge"),
+    ("dflash", dict(architectures=["SpecrayDFlashDrafter"]), "deprecated .* convert it to DFlash as z-lab"),
+])
+def test_config_that_does_not_fit_the_target_is_rejected(target, tmp_path, make, edit, error):
+    target_dir, model, _ = target
+    path = (write_eagle3 if make == "eagle3" else write_dflash)(tmp_path / make, target_dir)
+    with pytest.raises(ValueError, match=error):
+        load(make, _edit_config(path, **edit), model)
+
+
+def test_draft_vocabulary_without_d2t_is_rejected(target, tmp_path):
+    target_dir, model, _ = target
+    path = _edit_tensors(write_eagle3(tmp_path / "e3", target_dir, draft_vocab=200), drop=("d2t",))
+    with pytest.raises(ValueError, match="drafts over 200 tokens but the target has 384 and the checkpoint has no d2t"):
+        load("eagle3", path, model)
+
+
+@pytest.mark.parametrize("make, drop, replace, error", [
+    ("eagle3", ("midlayer.hidden_norm.weight",), None, r"missing \['midlayer.hidden_norm.weight'\]"),
+    ("eagle3", (), {"fc.weight": torch.zeros(64, 128)}, r"mis-shaped \['fc.weight \[64, 128\] \(expected \[64, 192\]\)'\]"),
+    ("dflash", ("layers.1.self_attn.k_norm.weight",), None, r"missing \['layers.1.self_attn.k_norm.weight'\]"),
+    ("dflash", (), {"layers.0.self_attn.q_proj.weight": torch.zeros(64, 128)},
+     r"layers.0.self_attn.q_proj.weight \[64, 128\] \(expected \[64, 64\]\)"),
+])
+def test_missing_or_misshaped_tensors_are_named(target, tmp_path, make, drop, replace, error):
+    target_dir, model, _ = target
+    path = (write_eagle3 if make == "eagle3" else write_dflash)(tmp_path / make, target_dir)
+    with pytest.raises(ValueError, match=error):
+        load(make, _edit_tensors(path, drop, replace), model)
+
+
+def test_a_checkpoint_of_the_other_method_is_rejected(target, tmp_path):
+    target_dir, model, _ = target
+    path = write_dflash(tmp_path / "df", target_dir)
+    with pytest.raises(ValueError, match=r"is a DFlashDraftModel checkpoint \(a dflash drafter\), but spec method "
+                                         r"'eagle3' needs one of \['Eagle3Speculator', 'LlamaForCausalLMEagle3'\]"):
+        load("eagle3", path, model)
