@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 LAUNCHERS = ("auto", "local", "mp", "ray", "external")
 ALLREDUCE_MODES = ("auto", "one_shot", "torch")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp")
-STANDALONE_DRAFTERS = ("draft_model", "dflash")
+SPEC_METHODS = ("draft_model", "dflash", "dspark", "eagle3", "mtp")
+STANDALONE_DRAFTERS = ("draft_model", "dflash", "dspark")
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 8, 256
 
@@ -136,7 +136,7 @@ class SpecConfig:
     """Speculative decoding; method None means plain decoding."""
 
     method: str | None = None
-    """draft_model | dflash | eagle3 | mtp, or None for plain decoding."""
+    """draft_model | dflash | dspark | eagle3 | mtp, or None for plain decoding."""
     draft_model: str | None = None
     """Drafter checkpoint directory or preset; None picks the preset matching the target."""
     num_draft_tokens: int = 4

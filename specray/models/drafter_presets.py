@@ -27,8 +27,8 @@ from safetensors import safe_open
 
 from specray.models.arch import ModelArch, arch_from_hf_config
 
-DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3", "mtp": "mtp"}
-HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3}  # distinct weights per head kind
+DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "mtp": "mtp"}
+HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3, "dspark": 4}  # distinct weights per head kind
 PRESET_FORMAT_TAG = "-published"  # cached drafter presets written before the published formats are not reused
 
 
@@ -72,6 +72,28 @@ def dflash_config(target: ModelArch, block_size: int = 16) -> dict:
                                "target_layer_ids": feature_layer_ids(target.num_layers)})
 
 
+def dspark_config(target: ModelArch, block_size: int = 8, draft_vocab_size: int | None = None,
+                  markov_head_type: str = "vanilla") -> dict:
+    """DSpark's config.json as ``speculators`` writes it (aux ids: layers entered)."""
+    layer = dict(_layer_sizes(target), num_hidden_layers=2, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    return dict(architectures=["DSparkSpeculator"], speculators_model_type="dspark", transformer_layer_config=layer,
+                draft_vocab_size=draft_vocab_size or target.vocab_size, block_size=block_size,
+                target_hidden_size=target.hidden_size, mask_token_id=target.vocab_size - 1,
+                aux_hidden_state_layer_ids=[i + 1 for i in feature_layer_ids(target.num_layers)],
+                sample_from_anchor=True, markov_rank=16, markov_head_type=markov_head_type,
+                enable_confidence_head=True, confidence_head_with_markov=True,
+                speculators_config={"algorithm": "dspark", "default_proposal_method": "greedy",
+                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size}],
+                                    "verifier": {"name_or_path": None, "architectures": [target.architecture]}})
+
+
+def _draft_vocab(w: dict, vocab: int, draft_vocab: int, gen) -> None:
+    """d2t (draft id i -> target id i + d2t[i]) and t2d over a sorted random subset of the vocabulary."""
+    kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    w["d2t"] = kept - torch.arange(draft_vocab)
+    w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+
+
 def _layer_weights(prefix: str, sizes: dict, attn_in: int, qk_norm: bool, normal, norm) -> dict[str, torch.Tensor]:
     h, inter, hd = sizes["hidden_size"], sizes["intermediate_size"], sizes["head_dim"]
     nh, nkv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
@@ -99,6 +121,8 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
 
     sizes = cfg.get("transformer_layer_config", cfg)
     h, vocab = sizes["hidden_size"], sizes["vocab_size"]
+    if method == "dspark":
+        return _dspark_weights(cfg, gen, normal, norm)
     if method == "dflash":
         ids = cfg["dflash_config"]["target_layer_ids"]
         w = {"fc.weight": normal(h, len(ids) * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
@@ -113,10 +137,8 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
         w = {"fc.weight": normal(h, num_aux * cfg["target_hidden_size"]), "norm.weight": norm(h),
              "lm_head.weight": normal(draft_vocab, h), f"{prefix}.hidden_norm.weight": norm(h),
              **_layer_weights(prefix, sizes, 2 * h, False, normal, norm)}
-        if draft_vocab != vocab:  # d2t: draft id i -> target id i + d2t[i], a sorted random subset
-            kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-            w["d2t"] = kept - torch.arange(draft_vocab)
-            w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+        if draft_vocab != vocab:
+            _draft_vocab(w, vocab, draft_vocab, gen)
         if with_embed:
             w["embed_tokens.weight"] = normal(vocab, h)
         return w
@@ -126,12 +148,31 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
     return w
 
 
+def _dspark_weights(cfg: dict, gen, normal, norm) -> dict[str, torch.Tensor]:
+    sizes = cfg["transformer_layer_config"]
+    h, vocab, draft_vocab, r = sizes["hidden_size"], sizes["vocab_size"], cfg["draft_vocab_size"], cfg["markov_rank"]
+    w = {"fc.weight": normal(h, len(cfg["aux_hidden_state_layer_ids"]) * h), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h), "markov_head.markov_w1.weight": normal(vocab, r) * 50,
+         "markov_head.markov_w2.weight": normal(draft_vocab, r), "confidence_head.proj.weight": normal(1, h + r),
+         "confidence_head.proj.bias": normal(1)}
+    for i in range(sizes["num_hidden_layers"]):
+        w.update(_layer_weights(f"layers.{i}", sizes, h, True, normal, norm))
+    if cfg["markov_head_type"] == "gated":
+        w.update({"markov_head.gate_proj.weight": normal(r, h + r) * 50, "markov_head.gate_proj.bias": normal(r)})
+    if draft_vocab != vocab:
+        w["lm_head.weight"] = normal(draft_vocab, h)
+        _draft_vocab(w, vocab, draft_vocab, gen)
+    return w
+
+
 def head_config(method: str, target: ModelArch) -> dict:
     """The config.json of a head preset: published formats for eagle3 and dflash."""
     if method == "eagle3":
         return eagle3_config(target)
     if method == "dflash":
         return dflash_config(target)
+    if method == "dspark":
+        return dspark_config(target)
     from specray.models.drafters import HEAD_ARCHITECTURES
 
     return dict(_layer_sizes(target), architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",

@@ -4,12 +4,13 @@
 |---------------|------------|----------------------------|--------------------|-------------------|
 | ``draft_model`` | standalone | own pool, 32/64-token pages | 1 (autoregressive) | draft_model.py    |
 | ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
+| ``dspark``      | standalone | own pool, 32/64-token pages | k (one block)      | dspark.py         |
 | ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | eagle3.py         |
 | ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
 the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
-``eagle3`` and ``dflash`` read the published formats (formats.py detects which from config.json).
+``eagle3``, ``dflash`` and ``dspark`` read the published formats (formats.py detects which from config.json).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
         from specray.models.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.load(path, ctx, config.dtype, target)
-    if spec.method in ("eagle3", "dflash"):
+    if spec.method in ("eagle3", "dflash", "dspark"):
         from specray.models.drafters.published import load_published_drafter
 
         return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target)

@@ -128,16 +128,17 @@ class DFlashDrafter(nn.Module):
         x = x + attn.o_proj(o.reshape(o.shape[0], -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """z-lab's compute_logits: the target's head, scaled and optionally soft-capped."""
-        logits = self.target[0].logits(self.norm(hidden))
+        logits = self.target[0].logits(normed)
         if self.fmt.output_multiplier != 1.0:
             logits = logits * self.fmt.output_multiplier
         cap = self.fmt.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
-        seqs, k, n, dev = batch.seqs, batch.k, self.block_size, batch.device
+    def block_outputs(self, batch: DraftBatch) -> torch.Tensor:
+        """Writes the new context's K/V; returns the query block's normed outputs [S, block_size, H]."""
+        seqs, n, dev = batch.seqs, self.block_size, batch.device
         tables = [s.block_table for s in seqs]
         ctx_starts = [s.num_consumed for s in seqs]
         ctx_lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
@@ -156,6 +157,10 @@ class DFlashDrafter(nn.Module):
         for layer, pool in zip(self.layers, batch.pools):
             self._write_context(layer, context, ctx_cos, ctx_sin, pool, ctx_meta.slot_mapping)
             x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts))
-        masks = x.view(len(seqs), n, -1)[:, 1:k + 1].reshape(len(seqs) * k, -1)  # row 0 (t_{L-1}) drafts nothing
-        logits = self.logits(masks).view(len(seqs), k, -1)
+        return self.norm(x).view(len(seqs), n, -1)
+
+    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
+        k, num_seqs = batch.k, len(batch.seqs)
+        masks = self.block_outputs(batch)[:, 1:k + 1]  # row 0 (t_{L-1}) drafts nothing
+        logits = self.logits(masks.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
         return torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)

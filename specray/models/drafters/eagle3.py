@@ -36,7 +36,7 @@ from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.attention import build_metadata
 from specray.models.decoder import MLP, Attention, CausalLM
-from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear, last_rows
+from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear, last_rows, read_d2t, to_target_vocab
 from specray.models.drafters.formats import Eagle3Format, check_tensors, layer_tensors
 from specray.models.layers import (
     ParallelLMHead,
@@ -109,11 +109,7 @@ class Eagle3Drafter(nn.Module):
         self.norm.load(reader, "norm.weight")
         self.lm_head.load(reader, "lm_head")
         if has_d2t:
-            ids = torch.arange(fmt.draft_vocab_size, device=reader.device) + reader.read_exact("d2t").long()
-            if ids.min() < 0 or ids.max() >= fmt.arch.vocab_size or ids.unique().numel() != ids.numel():
-                raise ValueError(f"drafter {str(reader.dir)!r}: d2t maps draft ids outside the target's "
-                                 f"vocabulary [0, {fmt.arch.vocab_size}) or onto one target id twice")
-            self.target_ids = ids
+            self.target_ids = read_d2t(reader, fmt.draft_vocab_size, fmt.arch.vocab_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         embedding = self.embed_tokens if self.embed_tokens is not None else self.target[0].embed_tokens
@@ -128,12 +124,7 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary logits: draft logits placed at their target ids, -inf elsewhere."""
-        draft = self.lm_head(self.norm(g))
-        if self.target_ids is None:
-            return draft
-        full = draft.new_full((draft.shape[0], self.fmt.arch.vocab_size), float("-inf"))
-        full[:, self.target_ids] = draft
-        return full
+        return to_target_vocab(self.lm_head(self.norm(g)), self.target_ids, self.fmt.arch.vocab_size)
 
     def _step(self, batch: DraftBatch, ids: torch.Tensor, h: torch.Tensor, starts: list[int],
               lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

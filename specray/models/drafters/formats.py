@@ -7,6 +7,8 @@
 | ``architectures: ["Eagle3Speculator"]`` or             | EAGLE-3 as ``speculators``  | eagle3   |
 | ``speculators_model_type: "eagle3"``                   | writes it (``layers.0.*``)  |          |
 | ``architectures: ["DFlashDraftModel"]``                | DFlash as z-lab writes it   | dflash   |
+| ``architectures: ["DSparkSpeculator"]`` or             | DSpark as ``speculators``   | dspark   |
+| ``speculators_model_type: "dspark"``                   | writes it                   |          |
 | ``SpecrayEagle3Drafter`` / ``SpecrayDFlashDrafter``    | specray's retired formats:  | -        |
 |                                                        | a deprecation error         |          |
 
@@ -17,6 +19,10 @@ Which target layers feed EAGLE-3 (the aux-layer convention; docs/drafters.md rep
 - ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge, SGLang): the *outputs* of those
   layers, i.e. the residual stream entering layer ``id + 1``;
 - neither: entering layers (2, L // 2, L - 3), vLLM's default for an L-layer target.
+
+DFlash's ``target_layer_ids`` (z-lab) are layer outputs (z-lab reads ``hidden_states[id + 1]``);
+``speculators``' ``aux_hidden_state_layer_ids`` (DSpark) are layers entered, like EAGLE-3's
+top-level ids (its DFlash converter writes z-lab's id + 1).
 
 specray keeps the outputs-of-layers form (``feature_layers``), which is what the target's
 forward captures; an id that means "entering layer 0" (the embedding) is rejected.
@@ -32,7 +38,8 @@ from specray.models.arch import ModelArch, arch_from_hf_config
 EAGLE3_SPECFORGE = "LlamaForCausalLMEagle3"
 EAGLE3_SPECULATORS = "Eagle3Speculator"
 DFLASH = "DFlashDraftModel"
-FORMAT_METHODS = {EAGLE3_SPECFORGE: "eagle3", EAGLE3_SPECULATORS: "eagle3", DFLASH: "dflash"}
+DSPARK = "DSparkSpeculator"
+FORMAT_METHODS = {EAGLE3_SPECFORGE: "eagle3", EAGLE3_SPECULATORS: "eagle3", DFLASH: "dflash", DSPARK: "dspark"}
 RETIRED = {
     "SpecrayEagle3Drafter": "EAGLE-3 as SpecForge writes it (architectures ['LlamaForCausalLMEagle3'], "
                             "tensors fc, midlayer.*, norm, lm_head, d2t) or as speculators writes it "
@@ -65,6 +72,17 @@ class DFlashFormat:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DSpark (speculators) only:
+    draft_vocab_size: int | None = None  # own lm_head over a draft vocabulary (with d2t); None: the target's head
+    sample_from_anchor: bool = False  # the anchor's row drafts too: block_size drafts per forward
+    markov_rank: int = 0  # the Markov logit-bias head's rank; 0: none
+    markov_head_type: str = "vanilla"
+    has_confidence_head: bool = False
+    confidence_with_markov: bool = False
+
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
 
 def detect_format(cfg: dict, source: str) -> str:
@@ -76,6 +94,8 @@ def detect_format(cfg: dict, source: str) -> str:
                              f"no longer read; convert it to {convert_to}")
     if cfg.get("speculators_model_type") == "eagle3" or EAGLE3_SPECULATORS in archs:
         return EAGLE3_SPECULATORS
+    if cfg.get("speculators_model_type") == "dspark" or DSPARK in archs:
+        return DSPARK
     for name in (EAGLE3_SPECFORGE, DFLASH):
         if name in archs:
             return name
@@ -182,6 +202,39 @@ def read_dflash(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
                         input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
                         output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
                         final_logit_softcapping=float(softcap) if softcap else None)
+
+
+def read_dspark(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
+    """DSpark (speculators' layout: a DFlash backbone plus Markov and confidence heads)."""
+    detect_format(cfg, source)
+    layer_cfg = dict(cfg.get("transformer_layer_config") or {})
+    if layer_cfg.get("model_type", "qwen3") != "qwen3":
+        raise ValueError(f"drafter {source!r}: DSpark's layers are Qwen3 layers, not {layer_cfg.get('model_type')!r}")
+    base = read_dflash(dict(layer_cfg, architectures=[DFLASH], block_size=cfg.get("block_size", 8),
+                            mask_token_id=cfg.get("mask_token_id"), target_layer_ids=[0]), target, source)
+    target_hidden = cfg.get("target_hidden_size") or base.arch.hidden_size
+    if target_hidden != target.hidden_size or base.arch.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter {source!r} was trained on hidden size {target_hidden} and vocab_size "
+                         f"{base.arch.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+    entering = cfg.get("aux_hidden_state_layer_ids")
+    if not entering:
+        raise ValueError(f"drafter {source!r}: aux_hidden_state_layer_ids is required")
+    bad = [i for i in entering if not 1 <= i <= target.num_layers]
+    if bad:
+        raise ValueError(f"drafter {source!r}: aux_hidden_state_layer_ids {bad} (layers entered) must be in "
+                         f"[1, {target.num_layers}] for the target's {target.num_layers} layers")
+    head_type = cfg.get("markov_head_type", "vanilla")
+    if head_type not in ("vanilla", "gated"):
+        raise ValueError(f"drafter {source!r}: markov_head_type {head_type!r} is not supported yet "
+                         f"(supported: 'vanilla', 'gated')")
+    rank = int(cfg.get("markov_rank", 256))
+    has_conf = bool(cfg.get("enable_confidence_head", True))
+    return DFlashFormat(arch=base.arch, block_size=base.block_size, mask_token_id=base.mask_token_id,
+                        feature_layers=tuple(i - 1 for i in entering),
+                        draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size),
+                        sample_from_anchor=bool(cfg.get("sample_from_anchor", True)), markov_rank=rank,
+                        markov_head_type=head_type, has_confidence_head=has_conf,
+                        confidence_with_markov=has_conf and bool(cfg.get("confidence_head_with_markov", True)))
 
 
 def check_tensors(reader, expected: dict[str, tuple[int, ...]], source: str | Path) -> None:

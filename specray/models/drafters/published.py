@@ -11,7 +11,7 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.models.decoder import CausalLM
-from specray.models.drafters.formats import FORMAT_METHODS, detect_format, read_dflash, read_eagle3
+from specray.models.drafters.formats import FORMAT_METHODS, detect_format, read_dflash, read_dspark, read_eagle3
 from specray.models.loader import CheckpointReader
 
 
@@ -24,7 +24,7 @@ def read_config(path: Path) -> dict:
 
 def load_published_drafter(method: str, path: Path, num_draft_tokens: int, ctx: DistContext, dtype: str,
                            target: CausalLM):
-    """The ``eagle3`` or ``dflash`` drafter of checkpoint ``path`` on this rank."""
+    """The ``eagle3``, ``dflash`` or ``dspark`` drafter of checkpoint ``path`` on this rank."""
     cfg, source = read_config(path), str(path)
     found = detect_format(cfg, source)
     if FORMAT_METHODS[found] != method:
@@ -34,14 +34,16 @@ def load_published_drafter(method: str, path: Path, num_draft_tokens: int, ctx: 
     torch_dtype = getattr(torch, dtype)
     reader = CheckpointReader(path, torch_dtype, ctx.device)
     try:
-        if method == "dflash":
+        if method in ("dflash", "dspark"):
             from specray.models.drafters.dflash import DFlashDrafter
+            from specray.models.drafters.dspark import DSparkDrafter
 
-            fmt = read_dflash(cfg, target.arch, source)
-            if num_draft_tokens > fmt.block_size - 1:
-                raise ValueError(f"num_draft_tokens ({num_draft_tokens}) must be <= block_size - 1 "
-                                 f"({fmt.block_size - 1}) of dflash drafter {source!r}")
-            drafter = DFlashDrafter(fmt, target, ctx, torch_dtype)
+            fmt = (read_dflash if method == "dflash" else read_dspark)(cfg, target.arch, source)
+            if num_draft_tokens > fmt.max_drafts:
+                anchor = "block_size" if fmt.sample_from_anchor else "block_size - 1"
+                raise ValueError(f"num_draft_tokens ({num_draft_tokens}) must be <= {anchor} ({fmt.max_drafts}) "
+                                 f"of {method} drafter {source!r}")
+            drafter = (DFlashDrafter if method == "dflash" else DSparkDrafter)(fmt, target, ctx, torch_dtype)
         else:
             from specray.models.drafters.eagle3 import Eagle3Drafter
 
