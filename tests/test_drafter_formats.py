@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.comm.context import DistContext
 from specray.models.arch import read_arch
-from specray.models.drafter_presets import dflash_config, eagle3_config, head_weights
+from specray.models.drafter_presets import dflash_config, dspark_config, eagle3_config, head_weights
 from specray.models.drafters.common import DraftBatch, DraftSeq
 from specray.models.drafters.published import load_published_drafter
 from specray.models.presets import write_checkpoint
@@ -57,7 +57,8 @@ def speculators_module(name: str):
         if spec is None:
             pytest.fail("speculators is not installed: `make venv` installs TEST_REFERENCES")
         root = Path(spec.submodule_search_locations[0])
-    for pkg in ("speculators", "speculators.models", "speculators.models.eagle3"):
+    for pkg in ("speculators", "speculators.models", "speculators.models.eagle3", "speculators.models.dflash",
+                "speculators.models.dspark"):
         if pkg not in sys.modules:
             module = types.ModuleType(pkg)
             module.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]
@@ -81,6 +82,12 @@ def write_eagle3(directory: Path, target_dir: Path, layout="specforge", draft_vo
 def write_dflash(directory: Path, target_dir: Path, seed=1, **overrides) -> Path:
     cfg = dict(dflash_config(read_arch(target_dir)), **overrides)
     write_checkpoint(directory, cfg, head_weights("dflash", cfg, seed))
+    return directory
+
+
+def write_dspark(directory: Path, target_dir: Path, seed=1, **options) -> Path:
+    cfg = dspark_config(read_arch(target_dir), **options)
+    write_checkpoint(directory, cfg, head_weights("dspark", cfg, seed))
     return directory
 
 
@@ -236,6 +243,86 @@ def test_dflash_drafts_equal_zlab_reference(target, tmp_path):
         torch.testing.assert_close(logits, ref_logits, **TOL)
 
 
+# --------------------------------------------------------------------------- DSpark
+
+LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "num_hidden_layers")
+
+
+def dspark_reference(path: Path, hf_target, tokens, features, k):
+    """DSpark drafting with speculators' DFlash layers and DSpark heads (the published
+    equations around them: fc, hidden_norm, norm, lm_head or the verifier's, d2t, and the
+    Markov chain over the block's slots, each biased by the token before it)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+    layer_defs = speculators_module("speculators.models.dflash.model_definitions")
+    heads = speculators_module("speculators.models.dspark.model_definitions")
+    cfg = json.loads((path / "config.json").read_text())
+    config = Qwen3Config(**{key: cfg["transformer_layer_config"][key] for key in LAYER_KEYS})
+    config._attn_implementation = "sdpa"
+    w = load_file(path / "model.safetensors")
+
+    def part(prefix):
+        return {n[len(prefix):]: t for n, t in w.items() if n.startswith(prefix)}
+
+    def rms(name):
+        norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norm.weight.data.copy_(w[name])
+        return norm
+
+    layers = [layer_defs.Qwen3DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+    for i, layer in enumerate(layers):
+        layer.load_state_dict(part(f"layers.{i}."))
+    markov = heads.MarkovHead(verifier_vocab_size=config.vocab_size, draft_vocab_size=cfg["draft_vocab_size"],
+                              markov_rank=cfg["markov_rank"], hidden_size=config.hidden_size,
+                              head_type=cfg["markov_head_type"])
+    markov.load_state_dict(part("markov_head."))
+    confidence = heads.ConfidenceHead(config.hidden_size + cfg["markov_rank"])
+    confidence.load_state_dict(part("confidence_head."))
+    n, length = cfg["block_size"], len(tokens)
+    lm_head = w.get("lm_head.weight", hf_target.lm_head.weight)
+    target_ids = torch.arange(lm_head.shape[0]) + w["d2t"] if "d2t" in w else None
+    with torch.no_grad():
+        context = rms("hidden_norm.weight")(F.linear(features, w["fc.weight"]))[None]
+        block = torch.tensor([[tokens[-1]] + [cfg["mask_token_id"]] * (n - 1)])
+        x = F.embedding(block, hf_target.model.embed_tokens.weight)
+        positions = torch.arange(0, length - 1 + n)[None]
+        embeddings = Qwen3RotaryEmbedding(config)(x, positions)
+        for layer in layers:
+            x = layer(hidden_states=x, target_hidden=context, attention_mask=None, position_embeddings=embeddings)
+        normed = rms("norm.weight")(x)[0]  # slot j drafts token L + j (sample_from_anchor)
+        prev, logits, conf = torch.tensor([tokens[-1]]), [], []
+        for j in range(k):
+            o = normed[j:j + 1]
+            draft = F.linear(o, lm_head) + markov.block_bias(prev_token_ids=prev[None], hidden_states=o[None])[0]
+            conf.append(torch.sigmoid(confidence(torch.cat([o, markov.prev_embeddings(prev)], dim=-1)))[0])
+            full = draft[0] if target_ids is None else torch.full((config.vocab_size,), float("-inf")).index_put(
+                (target_ids,), draft[0])
+            logits.append(full)
+            prev = full.argmax()[None]
+    logits = torch.stack(logits)
+    return logits.argmax(-1).tolist(), logits, normed[:k], torch.stack(conf)
+
+
+@pytest.mark.parametrize("draft_vocab, head_type", [(None, "vanilla"), (200, "gated")])
+def test_dspark_drafts_equal_speculators_reference(target, tmp_path, draft_vocab, head_type):
+    target_dir, model, hf = target
+    path = write_dspark(tmp_path / "ds", target_dir, draft_vocab_size=draft_vocab, markov_head_type=head_type)
+    drafter = load("dspark", path, model, k=8)
+    assert drafter.feature_layers == (0, 2, 3)  # aux_hidden_state_layer_ids [1, 3, 4]: the layers entered
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    drafts, logits = propose(drafter, tokens, features, 8, empty_pools(drafter, 2))
+    ref_drafts, ref_logits, normed, ref_conf = dspark_reference(path, hf, tokens, features, 8)
+    assert drafts == ref_drafts
+    finite = torch.isfinite(ref_logits)
+    assert torch.equal(finite, torch.isfinite(logits))
+    torch.testing.assert_close(logits[finite], ref_logits[finite], **TOL)
+    prev = torch.tensor([tokens[-1]] + drafts[:-1])
+    torch.testing.assert_close(drafter.confidence(prev, normed), ref_conf, **TOL)
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -248,7 +335,8 @@ def engine_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("fmt-engine")
     target_dir = make_checkpoint("llama", root / "target", seed=3, num_hidden_layers=3)
     drafters = {"eagle3": write_eagle3(root / "eagle3", target_dir, "speculators", 200, True),
-                "dflash": write_dflash(root / "dflash", target_dir)}
+                "dflash": write_dflash(root / "dflash", target_dir),
+                "dspark": write_dspark(root / "dspark", target_dir, draft_vocab_size=200, markov_head_type="gated")}
     return target_dir, drafters
 
 
@@ -270,7 +358,7 @@ def plain(engine_ckpts):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k, page, tp):
     with LLM(engine(engine_ckpts, method, k, page, tp)) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
@@ -278,19 +366,23 @@ def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k
     assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
 @pytest.mark.parametrize("narrowed, target_page, expected", [(None, 64, 64), ("0:32", 64, 32), (None, 128, 32)])
-def test_dflash_draft_pool_page_size(engine_ckpts, monkeypatch, narrowed, target_page, expected):
+def test_block_drafter_pool_page_size(engine_ckpts, monkeypatch, method, narrowed, target_page, expected):
     if narrowed is None:
         monkeypatch.delenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", raising=False)
     else:
         monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", narrowed)
-    with LLM(engine(engine_ckpts, "dflash", page=target_page)) as llm:
+    with LLM(engine(engine_ckpts, method, page=target_page)) as llm:
         assert llm.geometry["target"].tokens_per_block == target_page
         assert llm.geometry["draft"].tokens_per_block == expected
         assert llm.geometry["draft"].num_layers == 2  # the drafter's own pool: its two layers
 
 
 # --------------------------------------------------------------------------- bad input
+
+
+WRITERS = {"eagle3": write_eagle3, "dflash": write_dflash, "dspark": write_dspark}
 
 
 def _edit_config(path: Path, **changes) -> Path:
@@ -320,12 +412,16 @@ def _edit_tensors(path: Path, drop=(), replace=None) -> Path:
     ("dflash", dict(dflash_config={"mask_token_id": 5, "target_layer_ids": [0, 9]}),
      r"target_layer_ids \[9\] are outside the target's 4 layers"),
     ("dflash", dict(dflash_config={"mask_token_id": 384, "target_layer_ids": [0]}), r"mask_token_id \(384\)"),
+    ("dspark", dict(aux_hidden_state_layer_ids=[0, 2, 3]), r"aux_hidden_state_layer_ids \[0\] \(layers entered\) must "
+                                                         r"be in \[1, 4\]"),
+    ("dspark", dict(markov_head_type="rnn"), "markov_head_type 'rnn' is not supported yet"),
+    ("dspark", dict(block_size=2), r"num_draft_tokens \(3\) must be <= block_size \(2\)"),
     ("eagle3", dict(architectures=["SpecrayEagle3Drafter"]), "deprecated .* convert it to EAGLE-3 as SpecForge"),
     ("dflash", dict(architectures=["SpecrayDFlashDrafter"]), "deprecated .* convert it to DFlash as z-lab"),
 ])
 def test_config_that_does_not_fit_the_target_is_rejected(target, tmp_path, make, edit, error):
     target_dir, model, _ = target
-    path = (write_eagle3 if make == "eagle3" else write_dflash)(tmp_path / make, target_dir)
+    path = WRITERS[make](tmp_path / make, target_dir)
     with pytest.raises(ValueError, match=error):
         load(make, _edit_config(path, **edit), model)
 
@@ -343,10 +439,11 @@ def test_draft_vocabulary_without_d2t_is_rejected(target, tmp_path):
     ("dflash", ("layers.1.self_attn.k_norm.weight",), None, r"missing \['layers.1.self_attn.k_norm.weight'\]"),
     ("dflash", (), {"layers.0.self_attn.q_proj.weight": torch.zeros(64, 128)},
      r"layers.0.self_attn.q_proj.weight \[64, 128\] \(expected \[64, 64\]\)"),
+    ("dspark", ("markov_head.markov_w2.weight",), None, r"missing \['markov_head.markov_w2.weight'\]"),
 ])
 def test_missing_or_misshaped_tensors_are_named(target, tmp_path, make, drop, replace, error):
     target_dir, model, _ = target
-    path = (write_eagle3 if make == "eagle3" else write_dflash)(tmp_path / make, target_dir)
+    path = WRITERS[make](tmp_path / make, target_dir)
     with pytest.raises(ValueError, match=error):
         load(make, _edit_tensors(path, drop, replace), model)
 
