@@ -402,6 +402,8 @@ def _edit_tensors(path: Path, drop=(), replace=None) -> Path:
 
 @pytest.mark.parametrize("make, edit, error", [
     ("eagle3", dict(target_hidden_size=32), "target hidden states of size 32, but the target's hidden_size is 64"),
+    ("eagle3", dict(hidden_size=32), "hidden_size 32 and no embed_tokens: it would embed with the target's, of "
+                                     "width 64"),
     ("eagle3", dict(vocab_size=256), "vocab_size 256 .* but the target has 384"),
     ("eagle3", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}),
      r"eagle_config.eagle_aux_hidden_state_layer_ids \[0, 1, 4\] name target layer outputs \[4\], outside"),
