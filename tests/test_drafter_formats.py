@@ -27,6 +27,7 @@ import json
 import shutil
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -364,6 +365,31 @@ def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k
         outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dspark"])
+def test_sampled_requests_with_a_draft_vocabulary(engine_ckpts, plain, method):
+    # d2t drafters give -inf to target ids outside the draft vocabulary: rejection sampling
+    # must take those zero draft probabilities (and top-k/top-p over them) in its stride
+    sampled = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    with LLM(engine(engine_ckpts, method)) as llm:
+        outs = llm.generate(PROMPTS, [PARAMS, sampled, PARAMS])
+    assert outs[0].token_ids == plain[0] and outs[2].token_ids == plain[2]
+    assert len(outs[1].token_ids) == 40 and outs[1].token_ids != plain[1]
+
+
+def test_moe_target_expert_parallel(tmp_path):
+    target_dir = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=3, num_hidden_layers=3)
+    ckpts = (target_dir, {"eagle3": write_eagle3(tmp_path / "eagle3", target_dir),
+                          "dflash": write_dflash(tmp_path / "dflash", target_dir),
+                          "dspark": write_dspark(tmp_path / "dspark", target_dir)})
+    with LLM(engine(ckpts)) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    for method in ("eagle3", "dflash", "dspark"):
+        cfg = engine(ckpts, method, tp=2)
+        cfg = replace(cfg, parallel=replace(cfg.parallel, moe_ep_size=2))
+        with LLM(cfg) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected, method
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
