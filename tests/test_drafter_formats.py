@@ -251,7 +251,7 @@ LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_h
 
 
 def dspark_reference(path: Path, hf_target, tokens, features, k):
-    """DSpark drafting with speculators' DFlash layers and DSpark heads (the published
+    """DSpark (or speculators' DFlash: no heads) drafting with speculators' DFlash layers and DSpark heads (the published
     equations around them: fc, hidden_norm, norm, lm_head or the verifier's, d2t, and the
     Markov chain over the block's slots, each biased by the token before it)."""
     from transformers import Qwen3Config
@@ -275,12 +275,14 @@ def dspark_reference(path: Path, hf_target, tokens, features, k):
     layers = [layer_defs.Qwen3DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
     for i, layer in enumerate(layers):
         layer.load_state_dict(part(f"layers.{i}."))
-    markov = heads.MarkovHead(verifier_vocab_size=config.vocab_size, draft_vocab_size=cfg["draft_vocab_size"],
-                              markov_rank=cfg["markov_rank"], hidden_size=config.hidden_size,
-                              head_type=cfg["markov_head_type"])
-    markov.load_state_dict(part("markov_head."))
-    confidence = heads.ConfidenceHead(config.hidden_size + cfg["markov_rank"])
-    confidence.load_state_dict(part("confidence_head."))
+    markov = confidence = None
+    if cfg.get("markov_rank"):
+        markov = heads.MarkovHead(verifier_vocab_size=config.vocab_size, draft_vocab_size=cfg["draft_vocab_size"],
+                                  markov_rank=cfg["markov_rank"], hidden_size=config.hidden_size,
+                                  head_type=cfg["markov_head_type"])
+        markov.load_state_dict(part("markov_head."))
+        confidence = heads.ConfidenceHead(config.hidden_size + cfg["markov_rank"])
+        confidence.load_state_dict(part("confidence_head."))
     n, length = cfg["block_size"], len(tokens)
     lm_head = w.get("lm_head.weight", hf_target.lm_head.weight)
     target_ids = torch.arange(lm_head.shape[0]) + w["d2t"] if "d2t" in w else None
@@ -292,18 +294,21 @@ def dspark_reference(path: Path, hf_target, tokens, features, k):
         embeddings = Qwen3RotaryEmbedding(config)(x, positions)
         for layer in layers:
             x = layer(hidden_states=x, target_hidden=context, attention_mask=None, position_embeddings=embeddings)
-        normed = rms("norm.weight")(x)[0]  # slot j drafts token L + j (sample_from_anchor)
+        first = 0 if cfg["sample_from_anchor"] else 1  # with sample_from_anchor, slot j drafts token L + j
+        normed = rms("norm.weight")(x)[0, first:first + k]
         prev, logits, conf = torch.tensor([tokens[-1]]), [], []
         for j in range(k):
             o = normed[j:j + 1]
-            draft = F.linear(o, lm_head) + markov.block_bias(prev_token_ids=prev[None], hidden_states=o[None])[0]
-            conf.append(torch.sigmoid(confidence(torch.cat([o, markov.prev_embeddings(prev)], dim=-1)))[0])
+            draft = F.linear(o, lm_head)
+            if markov is not None:
+                draft = draft + markov.block_bias(prev_token_ids=prev[None], hidden_states=o[None])[0]
+                conf.append(torch.sigmoid(confidence(torch.cat([o, markov.prev_embeddings(prev)], dim=-1)))[0])
             full = draft[0] if target_ids is None else torch.full((config.vocab_size,), float("-inf")).index_put(
                 (target_ids,), draft[0])
             logits.append(full)
             prev = full.argmax()[None]
     logits = torch.stack(logits)
-    return logits.argmax(-1).tolist(), logits, normed[:k], torch.stack(conf)
+    return logits.argmax(-1).tolist(), logits, normed, torch.stack(conf) if conf else None
 
 
 @pytest.mark.parametrize("draft_vocab, head_type", [(None, "vanilla"), (200, "gated")])
@@ -322,6 +327,20 @@ def test_dspark_drafts_equal_speculators_reference(target, tmp_path, draft_vocab
     torch.testing.assert_close(logits[finite], ref_logits[finite], **TOL)
     prev = torch.tensor([tokens[-1]] + drafts[:-1])
     torch.testing.assert_close(drafter.confidence(prev, normed), ref_conf, **TOL)
+
+
+def test_speculators_dflash_layout_drafts_equal_speculators_reference(target, tmp_path):
+    target_dir, model, hf = target
+    path = write_dspark(tmp_path / "df", target_dir, draft_vocab_size=200, algorithm="dflash")
+    drafter = load("dflash", path, model, k=7)
+    assert drafter.feature_layers == (0, 2, 3) and drafter.fmt.max_drafts == 7  # block 8, the anchor drafts nothing
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    drafts, logits = propose(drafter, tokens, features, 7, empty_pools(drafter, 2))
+    ref_drafts, ref_logits, _, _ = dspark_reference(path, hf, tokens, features, 7)
+    assert drafts == ref_drafts
+    finite = torch.isfinite(ref_logits)
+    torch.testing.assert_close(logits[finite], ref_logits[finite], **TOL)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -365,6 +384,15 @@ def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k
         outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_speculators_dflash_layout_is_lossless(engine_ckpts, plain, tmp_path, tp):
+    target_dir, _ = engine_ckpts
+    ckpts = (target_dir, {"dflash": write_dspark(tmp_path / "df", target_dir, draft_vocab_size=200,
+                                                 algorithm="dflash")})
+    with LLM(engine(ckpts, "dflash", k=3, page=64, tp=tp)) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dspark"])

@@ -73,9 +73,16 @@ def dflash_config(target: ModelArch, block_size: int = 16) -> dict:
 
 
 def dspark_config(target: ModelArch, block_size: int = 8, draft_vocab_size: int | None = None,
-                  markov_head_type: str = "vanilla") -> dict:
-    """DSpark's config.json as ``speculators`` writes it (aux ids: layers entered)."""
+                  markov_head_type: str = "vanilla", algorithm: str = "dspark") -> dict:
+    """DSpark's config.json as ``speculators`` writes it (aux ids: layers entered); with
+    ``algorithm="dflash"``, speculators' DFlash (the same backbone, no heads)."""
     layer = dict(_layer_sizes(target), num_hidden_layers=2, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    if algorithm == "dflash":
+        return dict(architectures=["DFlashSpeculator"], speculators_model_type="dflash",
+                    transformer_layer_config=layer, draft_vocab_size=draft_vocab_size or target.vocab_size,
+                    block_size=block_size, target_hidden_size=target.hidden_size, mask_token_id=target.vocab_size - 1,
+                    aux_hidden_state_layer_ids=[i + 1 for i in feature_layer_ids(target.num_layers)],
+                    sample_from_anchor=False)
     return dict(architectures=["DSparkSpeculator"], speculators_model_type="dspark", transformer_layer_config=layer,
                 draft_vocab_size=draft_vocab_size or target.vocab_size, block_size=block_size,
                 target_hidden_size=target.hidden_size, mask_token_id=target.vocab_size - 1,
@@ -121,7 +128,7 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
 
     sizes = cfg.get("transformer_layer_config", cfg)
     h, vocab = sizes["hidden_size"], sizes["vocab_size"]
-    if method == "dspark":
+    if method == "dspark" or cfg.get("speculators_model_type") == "dflash":
         return _dspark_weights(cfg, gen, normal, norm)
     if method == "dflash":
         ids = cfg["dflash_config"]["target_layer_ids"]
@@ -150,14 +157,16 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
 
 def _dspark_weights(cfg: dict, gen, normal, norm) -> dict[str, torch.Tensor]:
     sizes = cfg["transformer_layer_config"]
-    h, vocab, draft_vocab, r = sizes["hidden_size"], sizes["vocab_size"], cfg["draft_vocab_size"], cfg["markov_rank"]
+    h, vocab, draft_vocab, r = sizes["hidden_size"], sizes["vocab_size"], cfg["draft_vocab_size"], cfg.get("markov_rank")
     w = {"fc.weight": normal(h, len(cfg["aux_hidden_state_layer_ids"]) * h), "hidden_norm.weight": norm(h),
-         "norm.weight": norm(h), "markov_head.markov_w1.weight": normal(vocab, r) * 50,
-         "markov_head.markov_w2.weight": normal(draft_vocab, r), "confidence_head.proj.weight": normal(1, h + r),
-         "confidence_head.proj.bias": normal(1)}
+         "norm.weight": norm(h)}
+    if r:
+        w.update({"markov_head.markov_w1.weight": normal(vocab, r) * 50,
+                  "markov_head.markov_w2.weight": normal(draft_vocab, r), "confidence_head.proj.weight": normal(1, h + r),
+                  "confidence_head.proj.bias": normal(1)})
     for i in range(sizes["num_hidden_layers"]):
         w.update(_layer_weights(f"layers.{i}", sizes, h, True, normal, norm))
-    if cfg["markov_head_type"] == "gated":
+    if r and cfg["markov_head_type"] == "gated":
         w.update({"markov_head.gate_proj.weight": normal(r, h + r) * 50, "markov_head.gate_proj.bias": normal(r)})
     if draft_vocab != vocab:
         w["lm_head.weight"] = normal(draft_vocab, h)

@@ -7,6 +7,8 @@
 | ``architectures: ["Eagle3Speculator"]`` or             | EAGLE-3 as ``speculators``  | eagle3   |
 | ``speculators_model_type: "eagle3"``                   | writes it (``layers.0.*``)  |          |
 | ``architectures: ["DFlashDraftModel"]``                | DFlash as z-lab writes it   | dflash   |
+| ``architectures: ["DFlashSpeculator"]`` or             | DFlash as ``speculators``   | dflash   |
+| ``speculators_model_type: "dflash"``                   | writes it                   |          |
 | ``architectures: ["DSparkSpeculator"]`` or             | DSpark as ``speculators``   | dspark   |
 | ``speculators_model_type: "dspark"``                   | writes it                   |          |
 | ``SpecrayEagle3Drafter`` / ``SpecrayDFlashDrafter``    | specray's retired formats:  | -        |
@@ -21,7 +23,7 @@ Which target layers feed EAGLE-3 (the aux-layer convention; docs/drafters.md rep
 - neither: entering layers (2, L // 2, L - 3), vLLM's default for an L-layer target.
 
 DFlash's ``target_layer_ids`` (z-lab) are layer outputs (z-lab reads ``hidden_states[id + 1]``);
-``speculators``' ``aux_hidden_state_layer_ids`` (DSpark) are layers entered, like EAGLE-3's
+``speculators``' ``aux_hidden_state_layer_ids`` (its DFlash and DSpark) are layers entered, like EAGLE-3's
 top-level ids (its DFlash converter writes z-lab's id + 1).
 
 specray keeps the outputs-of-layers form (``feature_layers``), which is what the target's
@@ -38,8 +40,10 @@ from specray.models.arch import ModelArch, arch_from_hf_config
 EAGLE3_SPECFORGE = "LlamaForCausalLMEagle3"
 EAGLE3_SPECULATORS = "Eagle3Speculator"
 DFLASH = "DFlashDraftModel"
+DFLASH_SPECULATORS = "DFlashSpeculator"
 DSPARK = "DSparkSpeculator"
-FORMAT_METHODS = {EAGLE3_SPECFORGE: "eagle3", EAGLE3_SPECULATORS: "eagle3", DFLASH: "dflash", DSPARK: "dspark"}
+FORMAT_METHODS = {EAGLE3_SPECFORGE: "eagle3", EAGLE3_SPECULATORS: "eagle3", DFLASH: "dflash",
+                  DFLASH_SPECULATORS: "dflash", DSPARK: "dspark"}
 RETIRED = {
     "SpecrayEagle3Drafter": "EAGLE-3 as SpecForge writes it (architectures ['LlamaForCausalLMEagle3'], "
                             "tensors fc, midlayer.*, norm, lm_head, d2t) or as speculators writes it "
@@ -96,6 +100,8 @@ def detect_format(cfg: dict, source: str) -> str:
         return EAGLE3_SPECULATORS
     if cfg.get("speculators_model_type") == "dspark" or DSPARK in archs:
         return DSPARK
+    if cfg.get("speculators_model_type") == "dflash" or DFLASH_SPECULATORS in archs:
+        return DFLASH_SPECULATORS
     for name in (EAGLE3_SPECFORGE, DFLASH):
         if name in archs:
             return name
@@ -204,12 +210,14 @@ def read_dflash(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
                         final_logit_softcapping=float(softcap) if softcap else None)
 
 
-def read_dspark(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
-    """DSpark (speculators' layout: a DFlash backbone plus Markov and confidence heads)."""
-    detect_format(cfg, source)
+def read_speculators_block(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
+    """DFlash or DSpark in speculators' layout (DSpark: the DFlash backbone plus Markov and
+    confidence heads; its defaults differ: sample_from_anchor, both heads on)."""
+    is_dspark = detect_format(cfg, source) == DSPARK
     layer_cfg = dict(cfg.get("transformer_layer_config") or {})
     if layer_cfg.get("model_type", "qwen3") != "qwen3":
-        raise ValueError(f"drafter {source!r}: DSpark's layers are Qwen3 layers, not {layer_cfg.get('model_type')!r}")
+        raise ValueError(f"drafter {source!r}: speculators' DFlash/DSpark layers are Qwen3 layers, "
+                         f"not {layer_cfg.get('model_type')!r}")
     base = read_dflash(dict(layer_cfg, architectures=[DFLASH], block_size=cfg.get("block_size", 8),
                             mask_token_id=cfg.get("mask_token_id"), target_layer_ids=[0]), target, source)
     target_hidden = cfg.get("target_hidden_size") or base.arch.hidden_size
@@ -224,15 +232,15 @@ def read_dspark(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
         raise ValueError(f"drafter {source!r}: aux_hidden_state_layer_ids {bad} (layers entered) must be in "
                          f"[1, {target.num_layers}] for the target's {target.num_layers} layers")
     head_type = cfg.get("markov_head_type", "vanilla")
-    if head_type not in ("vanilla", "gated"):
+    if is_dspark and head_type not in ("vanilla", "gated"):
         raise ValueError(f"drafter {source!r}: markov_head_type {head_type!r} is not supported yet "
                          f"(supported: 'vanilla', 'gated')")
-    rank = int(cfg.get("markov_rank", 256))
-    has_conf = bool(cfg.get("enable_confidence_head", True))
+    rank = int(cfg.get("markov_rank", 256)) if is_dspark else 0
+    has_conf = is_dspark and bool(cfg.get("enable_confidence_head", True))
     return DFlashFormat(arch=base.arch, block_size=base.block_size, mask_token_id=base.mask_token_id,
                         feature_layers=tuple(i - 1 for i in entering),
                         draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size),
-                        sample_from_anchor=bool(cfg.get("sample_from_anchor", True)), markov_rank=rank,
+                        sample_from_anchor=bool(cfg.get("sample_from_anchor", is_dspark)), markov_rank=rank,
                         markov_head_type=head_type, has_confidence_head=has_conf,
                         confidence_with_markov=has_conf and bool(cfg.get("confidence_head_with_markov", True)))
 

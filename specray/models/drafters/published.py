@@ -11,7 +11,14 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.models.decoder import CausalLM
-from specray.models.drafters.formats import FORMAT_METHODS, detect_format, read_dflash, read_dspark, read_eagle3
+from specray.models.drafters.formats import (
+    DFLASH,
+    FORMAT_METHODS,
+    detect_format,
+    read_dflash,
+    read_eagle3,
+    read_speculators_block,
+)
 from specray.models.loader import CheckpointReader
 
 
@@ -38,12 +45,13 @@ def load_published_drafter(method: str, path: Path, num_draft_tokens: int, ctx: 
             from specray.models.drafters.dflash import DFlashDrafter
             from specray.models.drafters.dspark import DSparkDrafter
 
-            fmt = (read_dflash if method == "dflash" else read_dspark)(cfg, target.arch, source)
+            fmt = (read_dflash if found == DFLASH else read_speculators_block)(cfg, target.arch, source)
             if num_draft_tokens > fmt.max_drafts:
                 anchor = "block_size" if fmt.sample_from_anchor else "block_size - 1"
                 raise ValueError(f"num_draft_tokens ({num_draft_tokens}) must be <= {anchor} ({fmt.max_drafts}) "
                                  f"of {method} drafter {source!r}")
-            drafter = (DFlashDrafter if method == "dflash" else DSparkDrafter)(fmt, target, ctx, torch_dtype)
+            # speculators' layouts may carry a draft vocabulary and heads: DSparkDrafter reads them all
+            drafter = (DFlashDrafter if found == DFLASH else DSparkDrafter)(fmt, target, ctx, torch_dtype)
         else:
             from specray.models.drafters.eagle3 import Eagle3Drafter
 
