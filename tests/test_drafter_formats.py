@@ -1,117 +1,64 @@
-"""Drafters in their published formats: EAGLE-3 (SpecForge's and speculators' layouts) and
-DFlash (z-lab's), checked against the reference implementations on tiny random checkpoints.
+"""Drafters in their published formats, checked against the reference implementations on
+tiny random checkpoints (drafter_checkpoints.py writes them): EAGLE-3 (SpecForge's and
+speculators' layouts), DFlash (z-lab's and speculators' layouts), DSpark (speculators'); the
+EAGLE-3 aux-layer convention; and bad input (configs that do not fit the target, missing or
+mis-shaped tensors, specray's retired formats).
 
 References (installed ``--no-deps`` by the Makefile's TEST_REFERENCES):
 
 - DFlash: z-lab's ``dflash.model.DFlashDraftModel`` runs as is on CPU.
-- EAGLE-3: ``speculators``' own decoder layer (``models/eagle3/model_definitions``,
-  ``LlamaDecoderEagle3FirstLayer``). Importing the ``speculators`` package runs its
-  ``__init__``, which imports its training stack (openai, datasets, hs_connectors, a vLLM
-  client) that a drafter does not need; so the test loads the model-definition modules alone
-  from the installed package. The rest of EAGLE-3 outside the layer (fc, norm, lm_head, d2t,
-  the autoregressive feedback) is ``Eagle3DraftModel.forward``'s few lines, written out here
-  as the published equations. Its training forward (flex attention, test-time-training
-  masks) is not an inference path, so the layer runs with transformers' KV cache instead.
+- EAGLE-3, DSpark, speculators' DFlash: ``speculators``' own modules (the EAGLE-3 decoder
+  layer ``LlamaDecoderEagle3FirstLayer``, the DFlash layer ``Qwen3DFlashDecoderLayer``, the
+  DSpark ``MarkovHead`` and ``ConfidenceHead``). Importing the ``speculators`` package runs
+  its ``__init__``, which imports its training stack (openai, datasets, hs_connectors, a vLLM
+  client) that a drafter does not need, so the tests load the model-definition modules alone
+  from the installed package. speculators' model classes around them are training forwards
+  (flex attention over anchored blocks, test-time-training masks), not an inference path, so
+  what lies outside those modules (fc, norms, lm_head, d2t, the autoregressive feedback or
+  the Markov chain over a block) is written out here as the published equations, and the
+  layers run with transformers' KV cache.
 
 Tolerance for draft logits: specray and the references compute the same float32 maths in a
-different order (fused q/k/v, paged attention, tiled softmax), so logits agree to ~1e-6
-relative, not bitwise; 1e-4 relative / 1e-5 absolute leaves margin and still catches any
-wrong term (which moves logits by ~1e-2 here). Draft tokens must be equal.
+different order (fused q/k/v, paged or tiled attention), so logits agree closely but not
+bitwise (measured: at most 1.2e-7 apart on logits of standard deviation 0.18);
+1e-4 relative / 1e-5 absolute leaves margin, and every wrong term tried while writing these
+tests (a norm skipped, the residual taken before hidden_norm, the Markov chain not fed back)
+failed them. Draft tokens must be equal.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import shutil
-import sys
-import types
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from checkpoints import load_reference, make_checkpoint
+from drafter_checkpoints import (
+    WRITERS,
+    empty_pools,
+    load,
+    propose,
+    speculators_module,
+    target_features,
+    write_dflash,
+    write_dspark,
+    write_eagle3,
+)
 from safetensors.torch import load_file, save_file
 
-from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.comm.context import DistContext
-from specray.models.arch import read_arch
-from specray.models.drafter_presets import dflash_config, dspark_config, eagle3_config, head_weights
-from specray.models.drafters.common import DraftBatch, DraftSeq
-from specray.models.drafters.published import load_published_drafter
-from specray.models.presets import write_checkpoint
 from specray.workers.worker import load_model
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
-PAGE = 32
-
-
-def speculators_module(name: str):
-    """A module of the installed ``speculators`` without running its package ``__init__``."""
-    if "speculators" in sys.modules:
-        root = Path(sys.modules["speculators"].__path__[0])
-    else:
-        spec = importlib.util.find_spec("speculators")
-        if spec is None:
-            pytest.fail("speculators is not installed: `make venv` installs TEST_REFERENCES")
-        root = Path(spec.submodule_search_locations[0])
-    for pkg in ("speculators", "speculators.models", "speculators.models.eagle3", "speculators.models.dflash",
-                "speculators.models.dspark"):
-        if pkg not in sys.modules:
-            module = types.ModuleType(pkg)
-            module.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]
-            sys.modules[pkg] = module
-    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = make_checkpoint("llama", tmp_path_factory.mktemp("fmt") / "target", seed=3, num_hidden_layers=4)
     return path, load_model(path, DistContext.single(), "float32"), load_reference(path)
-
-
-def write_eagle3(directory: Path, target_dir: Path, layout="specforge", draft_vocab=None, embed=False,
-                 seed=1, **overrides) -> Path:
-    cfg = dict(eagle3_config(read_arch(target_dir), layout, draft_vocab), **overrides)
-    write_checkpoint(directory, cfg, head_weights("eagle3", cfg, seed, with_embed=embed))
-    return directory
-
-
-def write_dflash(directory: Path, target_dir: Path, seed=1, **overrides) -> Path:
-    cfg = dict(dflash_config(read_arch(target_dir)), **overrides)
-    write_checkpoint(directory, cfg, head_weights("dflash", cfg, seed))
-    return directory
-
-
-def write_dspark(directory: Path, target_dir: Path, seed=1, **options) -> Path:
-    cfg = dspark_config(read_arch(target_dir), **options)
-    write_checkpoint(directory, cfg, head_weights("dspark", cfg, seed))
-    return directory
-
-
-def load(method, path, target_model, k=3):
-    return load_published_drafter(method, path, k, DistContext.single(), "float32", target_model)
-
-
-def propose(drafter, tokens, features, k, pools, consumed=0):
-    """specray's drafts [k] and their target-vocabulary logits [k, V] for one sequence."""
-    logits = []
-
-    def choose(row_logits, j):
-        logits.append(row_logits[0].clone())
-        return row_logits.argmax(-1)
-
-    table = list(range(pools[0].shape[0]))
-    batch = DraftBatch([DraftSeq(list(tokens), consumed, features, table)], k, pools, PAGE, torch.device("cpu"))
-    return drafter.propose(batch, choose)[0].tolist(), torch.stack(logits)
-
-
-def empty_pools(drafter, num_layers):
-    layout = drafter.kv_layout
-    return [torch.zeros(8, 2, layout.num_kv_heads, PAGE, layout.head_dim) for _ in range(num_layers)]
 
 
 # --------------------------------------------------------------------------- EAGLE-3
@@ -160,13 +107,6 @@ def eagle3_reference(path: Path, hf_target, tokens, features, k):
             out.append(logits)
     out = torch.stack(out)
     return out.argmax(-1).tolist(), out
-
-
-def target_features(target_model, hf_target, tokens, layers):
-    """The target's outputs of ``layers`` at every position but the last (transformers' run)."""
-    with torch.no_grad():
-        hidden = hf_target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-    return torch.cat([hidden[i + 1][0, :-1] for i in layers], dim=-1)  # hidden_states[0] is the embedding
 
 
 @pytest.mark.parametrize("layout, draft_vocab, embed, extra", [
@@ -343,100 +283,7 @@ def test_speculators_dflash_layout_drafts_equal_speculators_reference(target, tm
     torch.testing.assert_close(logits[finite], ref_logits[finite], **TOL)
 
 
-# --------------------------------------------------------------------------- the engine
-
-
-PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30)]  # prompt + 40 tokens crosses 32/64-token pages
-PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine_ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fmt-engine")
-    target_dir = make_checkpoint("llama", root / "target", seed=3, num_hidden_layers=3)
-    drafters = {"eagle3": write_eagle3(root / "eagle3", target_dir, "speculators", 200, True),
-                "dflash": write_dflash(root / "dflash", target_dir),
-                "dspark": write_dspark(root / "dspark", target_dir, draft_vocab_size=200, markov_head_type="gated")}
-    return target_dir, drafters
-
-
-def engine(ckpts, method=None, k=3, page=32, tp=1) -> EngineConfig:
-    target_dir, drafters = ckpts
-    parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", check_every_step=tp > 1,
-                              timeout_s=60.0)
-    spec = SpecConfig(method=method, draft_model=str(drafters[method]) if method else None, num_draft_tokens=k)
-    return EngineConfig(model=str(target_dir), kv=KVConfig(tokens_per_block=page, capacity_tokens=4096),
-                        parallel=parallel, spec=spec)
-
-
-@pytest.fixture(scope="module")
-def plain(engine_ckpts):
-    with LLM(engine(engine_ckpts)) as llm:
-        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("page", [32, 64])
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
-def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k, page, tp):
-    with LLM(engine(engine_ckpts, method, k, page, tp)) as llm:
-        outs = llm.generate(PROMPTS, PARAMS)
-    assert [o.token_ids for o in outs] == plain
-    assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_speculators_dflash_layout_is_lossless(engine_ckpts, plain, tmp_path, tp):
-    target_dir, _ = engine_ckpts
-    ckpts = (target_dir, {"dflash": write_dspark(tmp_path / "df", target_dir, draft_vocab_size=200,
-                                                 algorithm="dflash")})
-    with LLM(engine(ckpts, "dflash", k=3, page=64, tp=tp)) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
-
-
-@pytest.mark.parametrize("method", ["eagle3", "dspark"])
-def test_sampled_requests_with_a_draft_vocabulary(engine_ckpts, plain, method):
-    # d2t drafters give -inf to target ids outside the draft vocabulary: rejection sampling
-    # must take those zero draft probabilities (and top-k/top-p over them) in its stride
-    sampled = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
-    with LLM(engine(engine_ckpts, method)) as llm:
-        outs = llm.generate(PROMPTS, [PARAMS, sampled, PARAMS])
-    assert outs[0].token_ids == plain[0] and outs[2].token_ids == plain[2]
-    assert len(outs[1].token_ids) == 40 and outs[1].token_ids != plain[1]
-
-
-def test_moe_target_expert_parallel(tmp_path):
-    target_dir = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=3, num_hidden_layers=3)
-    ckpts = (target_dir, {"eagle3": write_eagle3(tmp_path / "eagle3", target_dir),
-                          "dflash": write_dflash(tmp_path / "dflash", target_dir),
-                          "dspark": write_dspark(tmp_path / "dspark", target_dir)})
-    with LLM(engine(ckpts)) as llm:
-        expected = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    for method in ("eagle3", "dflash", "dspark"):
-        cfg = engine(ckpts, method, tp=2)
-        cfg = replace(cfg, parallel=replace(cfg.parallel, moe_ep_size=2))
-        with LLM(cfg) as llm:
-            assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected, method
-
-
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-@pytest.mark.parametrize("narrowed, target_page, expected", [(None, 64, 64), ("0:32", 64, 32), (None, 128, 32)])
-def test_block_drafter_pool_page_size(engine_ckpts, monkeypatch, method, narrowed, target_page, expected):
-    if narrowed is None:
-        monkeypatch.delenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", raising=False)
-    else:
-        monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", narrowed)
-    with LLM(engine(engine_ckpts, method, page=target_page)) as llm:
-        assert llm.geometry["target"].tokens_per_block == target_page
-        assert llm.geometry["draft"].tokens_per_block == expected
-        assert llm.geometry["draft"].num_layers == 2  # the drafter's own pool: its two layers
-
-
 # --------------------------------------------------------------------------- bad input
-
-
-WRITERS = {"eagle3": write_eagle3, "dflash": write_dflash, "dspark": write_dspark}
 
 
 def _edit_config(path: Path, **changes) -> Path:
