@@ -9,8 +9,9 @@
 | ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
-the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
-``eagle3``, ``dflash`` and ``dspark`` read the published formats (formats.py detects which from config.json).
+the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-dspark``, ``-eagle3``,
+``-mtp``). ``eagle3``, ``dflash`` and ``dspark`` read the published formats (published.py loads
+them; formats.py detects which from config.json and documents the aux-layer convention).
 """
 
 from __future__ import annotations
