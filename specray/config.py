@@ -15,8 +15,8 @@ from specray.errors import ConfigError
 LAUNCHERS = ("auto", "local", "mp", "ray", "external")
 ALLREDUCE_MODES = ("auto", "one_shot", "torch")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-SPEC_METHODS = ("draft_model", "dflash", "eagle3", "mtp", "ngram")
-STANDALONE_DRAFTERS = ("draft_model", "dflash")
+SPEC_METHODS = ("draft_model", "dflash", "dspark", "eagle3", "mtp", "ngram")
+STANDALONE_DRAFTERS = ("draft_model", "dflash", "dspark")
 POOL_LESS_DRAFTERS = ("ngram",)  # draft from token ids alone: no weights, no KV
 PROMPT_LOOKUP_DEFAULT = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DTYPES = ("float32", "bfloat16", "float16")
@@ -142,7 +142,7 @@ class SpecConfig:
     """Speculative decoding; method None means plain decoding."""
 
     method: str | None = None
-    """draft_model | dflash | eagle3 | mtp | ngram, or None for plain decoding."""
+    """draft_model | dflash | dspark | eagle3 | mtp | ngram, or None for plain decoding."""
     draft_model: str | None = None
     """Drafter checkpoint directory or preset; None picks the preset matching the target."""
     num_draft_tokens: int = 4

@@ -19,7 +19,7 @@ from specray.models.drafter_presets import write_drafter_for
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30, 13)]  # prompt + 64 tokens crosses 32/64-token pages
 PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
-METHODS = ("draft_model", "dflash", "eagle3", "mtp")
+METHODS = ("draft_model", "dflash", "dspark", "eagle3", "mtp")
 
 
 @pytest.fixture(scope="module")

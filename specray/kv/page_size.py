@@ -13,7 +13,7 @@ DRAFT_FALLBACK_PAGE_SIZE = 32
 
 
 def has_separate_draft_pool(method: str | None) -> bool:
-    """Standalone drafters (draft_model, dflash) get their own pool; one-model drafters
+    """Standalone drafters (draft_model, dflash, dspark) get their own pool; one-model drafters
     (mtp, eagle3) put their layers in the target's pool; pool-less drafters (ngram) and plain
     decoding have no draft pool."""
     return method in STANDALONE_DRAFTERS

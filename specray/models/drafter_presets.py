@@ -10,8 +10,11 @@ Written as real checkpoint directories by ``presets.materialize`` like the targe
   always, so partial acceptance and rollback both happen; for the presets (mid-llama and
   the tiny ones), almost never (acceptance length 1.00-1.02), so benchmarks use forced
   acceptance to measure the engine at a chosen acceptance length.
-- the heads: seeded random weights (N(0, 0.02) matrices, unit norms) in the formats that
-  dflash.py and hidden_state.py document, sized from the target's architecture.
+- the heads: seeded random weights (N(0, 0.02) matrices, norms near 1) sized from the target's
+  architecture: ``-eagle3`` in EAGLE-3's published format as SpecForge writes it
+  (``LlamaForCausalLMEagle3``, ``midlayer.*``; ``eagle3_config(layout="speculators")`` gives
+  speculators' ``Eagle3Speculator`` layout), ``-dflash`` as z-lab writes it
+  (``DFlashDraftModel``), ``-mtp`` in the format hidden_state.py documents.
 """
 
 from __future__ import annotations
@@ -24,54 +27,165 @@ from safetensors import safe_open
 
 from specray.models.arch import ModelArch, arch_from_hf_config
 
-DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3", "mtp": "mtp"}
-HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3}  # distinct weights per head kind
+DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "mtp": "mtp"}
+HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3, "dspark": 4}  # distinct weights per head kind
+PRESET_FORMAT_TAG = "-published"  # cached drafter presets written before the published formats are not reused
 
 
 def feature_layer_ids(num_layers: int) -> list[int]:
-    """Low, middle and high target layers (EAGLE-3's choice, scaled to small models)."""
+    """Low, middle and high target layer outputs (EAGLE-3's choice, scaled to small models)."""
     return sorted({0, num_layers // 2, num_layers - 1})
 
 
-def head_config(method: str, target: ModelArch) -> dict:
-    from specray.models.drafters import HEAD_ARCHITECTURES
-
-    cfg = dict(architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",
-               vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-               intermediate_size=target.intermediate_size or 4 * target.hidden_size, num_hidden_layers=1,
-               num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
-               head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-               max_position_embeddings=target.max_position_embeddings)
-    if method in ("eagle3", "dflash"):
-        cfg["target_layer_ids"] = feature_layer_ids(target.num_layers)
-    if method == "dflash":
-        cfg.update(num_hidden_layers=2, block_size=16, mask_token_id=target.vocab_size - 1)
-    return cfg
+def _layer_sizes(target: ModelArch) -> dict:
+    return dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                intermediate_size=target.intermediate_size or 4 * target.hidden_size,
+                num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
+                head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                max_position_embeddings=target.max_position_embeddings, attention_bias=False)
 
 
-def head_weights(method: str, cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+def eagle3_config(target: ModelArch, layout: str = "specforge", draft_vocab_size: int | None = None) -> dict:
+    """EAGLE-3's config.json as SpecForge writes it (aux ids nested in ``eagle_config``: layer
+    outputs) or as ``speculators`` writes it (top-level aux ids: layers entered)."""
+    outputs = feature_layer_ids(target.num_layers)
+    layer = dict(_layer_sizes(target), num_hidden_layers=1)
+    draft_vocab = draft_vocab_size or target.vocab_size
+    if layout == "specforge":
+        return dict(layer, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                    draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size,
+                    eagle_config={"eagle_aux_hidden_state_layer_ids": outputs, "use_aux_hidden_state": True})
+    return dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
+                transformer_layer_config=dict(layer, model_type="llama", architectures=["LlamaForCausalLM"]),
+                draft_vocab_size=draft_vocab, norm_before_residual=False, target_hidden_size=target.hidden_size,
+                eagle_aux_hidden_state_layer_ids=[i + 1 for i in outputs],
+                speculators_config={"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                    "verifier": {"name_or_path": None, "architectures": [target.architecture]}})
+
+
+def dflash_config(target: ModelArch, block_size: int = 16) -> dict:
+    """DFlash's config.json as z-lab writes it: Qwen3 layer sizes plus ``dflash_config``."""
+    return dict(_layer_sizes(target), architectures=["DFlashDraftModel"], model_type="qwen3",
+                num_hidden_layers=2, num_target_layers=target.num_layers, block_size=block_size,
+                dflash_config={"mask_token_id": target.vocab_size - 1,
+                               "target_layer_ids": feature_layer_ids(target.num_layers)})
+
+
+def dspark_config(target: ModelArch, block_size: int = 8, draft_vocab_size: int | None = None,
+                  markov_head_type: str = "vanilla", algorithm: str = "dspark") -> dict:
+    """DSpark's config.json as ``speculators`` writes it (aux ids: layers entered); with
+    ``algorithm="dflash"``, speculators' DFlash (the same backbone, no heads)."""
+    layer = dict(_layer_sizes(target), num_hidden_layers=2, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    if algorithm == "dflash":
+        return dict(architectures=["DFlashSpeculator"], speculators_model_type="dflash",
+                    transformer_layer_config=layer, draft_vocab_size=draft_vocab_size or target.vocab_size,
+                    block_size=block_size, target_hidden_size=target.hidden_size, mask_token_id=target.vocab_size - 1,
+                    aux_hidden_state_layer_ids=[i + 1 for i in feature_layer_ids(target.num_layers)],
+                    sample_from_anchor=False)
+    return dict(architectures=["DSparkSpeculator"], speculators_model_type="dspark", transformer_layer_config=layer,
+                draft_vocab_size=draft_vocab_size or target.vocab_size, block_size=block_size,
+                target_hidden_size=target.hidden_size, mask_token_id=target.vocab_size - 1,
+                aux_hidden_state_layer_ids=[i + 1 for i in feature_layer_ids(target.num_layers)],
+                sample_from_anchor=True, markov_rank=16, markov_head_type=markov_head_type,
+                enable_confidence_head=True, confidence_head_with_markov=True,
+                speculators_config={"algorithm": "dspark", "default_proposal_method": "greedy",
+                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size}],
+                                    "verifier": {"name_or_path": None, "architectures": [target.architecture]}})
+
+
+def _draft_vocab(w: dict, vocab: int, draft_vocab: int, gen) -> None:
+    """d2t (draft id i -> target id i + d2t[i]) and t2d over a sorted random subset of the vocabulary."""
+    kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    w["d2t"] = kept - torch.arange(draft_vocab)
+    w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+
+
+def _layer_weights(prefix: str, sizes: dict, attn_in: int, qk_norm: bool, normal, norm) -> dict[str, torch.Tensor]:
+    h, inter, hd = sizes["hidden_size"], sizes["intermediate_size"], sizes["head_dim"]
+    nh, nkv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    w = {f"{prefix}.input_layernorm.weight": norm(h), f"{prefix}.post_attention_layernorm.weight": norm(h),
+         f"{prefix}.self_attn.q_proj.weight": normal(nh * hd, attn_in),
+         f"{prefix}.self_attn.k_proj.weight": normal(nkv * hd, attn_in),
+         f"{prefix}.self_attn.v_proj.weight": normal(nkv * hd, attn_in),
+         f"{prefix}.self_attn.o_proj.weight": normal(h, nh * hd),
+         f"{prefix}.mlp.gate_proj.weight": normal(inter, h), f"{prefix}.mlp.up_proj.weight": normal(inter, h),
+         f"{prefix}.mlp.down_proj.weight": normal(h, inter)}
+    if qk_norm:
+        w.update({f"{prefix}.self_attn.q_norm.weight": norm(hd), f"{prefix}.self_attn.k_norm.weight": norm(hd)})
+    return w
+
+
+def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) -> dict[str, torch.Tensor]:
+    """Seeded random weights (N(0, 0.02) matrices, norms near 1) in the method's published names."""
     gen = torch.Generator().manual_seed(seed * 16 + HEAD_SEED_OFFSET[method])
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.02
 
-    w = {"norm.weight": torch.ones(h)}
-    if method in ("eagle3", "dflash"):
-        w["fc.weight"] = normal(h, len(cfg["target_layer_ids"]) * h)
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 5 * normal(size)
+
+    sizes = cfg.get("transformer_layer_config", cfg)
+    h, vocab = sizes["hidden_size"], sizes["vocab_size"]
+    if method == "dspark" or cfg.get("speculators_model_type") == "dflash":
+        return _dspark_weights(cfg, gen, normal, norm)
     if method == "dflash":
-        w["hidden_norm.weight"] = torch.ones(h)
-    else:
-        w.update({"enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h), "eh_proj.weight": normal(h, 2 * h)})
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}"
-        w.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
-                  f"{p}.self_attn.q_proj.weight": normal(nh * hd, h), f"{p}.self_attn.k_proj.weight": normal(nkv * hd, h),
-                  f"{p}.self_attn.v_proj.weight": normal(nkv * hd, h), f"{p}.self_attn.o_proj.weight": normal(h, nh * hd),
-                  f"{p}.mlp.gate_proj.weight": normal(inter, h), f"{p}.mlp.up_proj.weight": normal(inter, h),
-                  f"{p}.mlp.down_proj.weight": normal(h, inter)})
+        ids = cfg["dflash_config"]["target_layer_ids"]
+        w = {"fc.weight": normal(h, len(ids) * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
+        for i in range(cfg["num_hidden_layers"]):
+            w.update(_layer_weights(f"layers.{i}", cfg, h, True, normal, norm))
+        return w
+    if method == "eagle3":
+        prefix = "layers.0" if "transformer_layer_config" in cfg else "midlayer"
+        num_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids")
+                      or cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
+        draft_vocab = cfg["draft_vocab_size"]
+        w = {"fc.weight": normal(h, num_aux * cfg["target_hidden_size"]), "norm.weight": norm(h),
+             "lm_head.weight": normal(draft_vocab, h), f"{prefix}.hidden_norm.weight": norm(h),
+             **_layer_weights(prefix, sizes, 2 * h, False, normal, norm)}
+        if draft_vocab != vocab:
+            _draft_vocab(w, vocab, draft_vocab, gen)
+        if with_embed:
+            w["embed_tokens.weight"] = normal(vocab, h)
+        return w
+    w = {"norm.weight": torch.ones(h), "enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h),
+         "eh_proj.weight": normal(h, 2 * h)}
+    w.update(_layer_weights("layers.0", cfg, h, False, normal, lambda n: torch.ones(n)))
     return w
+
+
+def _dspark_weights(cfg: dict, gen, normal, norm) -> dict[str, torch.Tensor]:
+    sizes = cfg["transformer_layer_config"]
+    h, vocab, draft_vocab, r = sizes["hidden_size"], sizes["vocab_size"], cfg["draft_vocab_size"], cfg.get("markov_rank")
+    w = {"fc.weight": normal(h, len(cfg["aux_hidden_state_layer_ids"]) * h), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h)}
+    if r:
+        w.update({"markov_head.markov_w1.weight": normal(vocab, r) * 50,
+                  "markov_head.markov_w2.weight": normal(draft_vocab, r), "confidence_head.proj.weight": normal(1, h + r),
+                  "confidence_head.proj.bias": normal(1)})
+    for i in range(sizes["num_hidden_layers"]):
+        w.update(_layer_weights(f"layers.{i}", sizes, h, True, normal, norm))
+    if r and cfg["markov_head_type"] == "gated":
+        w.update({"markov_head.gate_proj.weight": normal(r, h + r) * 50, "markov_head.gate_proj.bias": normal(r)})
+    if draft_vocab != vocab:
+        w["lm_head.weight"] = normal(draft_vocab, h)
+        _draft_vocab(w, vocab, draft_vocab, gen)
+    return w
+
+
+def head_config(method: str, target: ModelArch) -> dict:
+    """The config.json of a head preset: published formats for eagle3 and dflash."""
+    if method == "eagle3":
+        return eagle3_config(target)
+    if method == "dflash":
+        return dflash_config(target)
+    if method == "dspark":
+        return dspark_config(target)
+    from specray.models.drafters import HEAD_ARCHITECTURES
+
+    return dict(_layer_sizes(target), architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",
+                num_hidden_layers=1)
 
 
 def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -62,6 +62,18 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The stored shape of ``name``, or None when the checkpoint has no such tensor."""
+        if name not in self.weight_map:
+            return None
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def read_exact(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in its stored dtype (index tensors such as EAGLE-3's ``d2t``)."""
+        if name not in self.weight_map:
+            raise ValueError(f"checkpoint {str(self.dir)!r} has no tensor {name!r}")
+        return self._handle(self.weight_map[name]).get_tensor(name).to(self.device)
+
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The tensor ``name``, or its slice [start, end) along ``dim``, cast to the model dtype."""
         if name not in self.weight_map:

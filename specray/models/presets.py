@@ -107,6 +107,10 @@ def materialize(name: str, seed: int = 0) -> Path:
         raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)} and their drafters "
                          f"{sorted(_drafter_presets())}")
     target = cache_root() / "presets" / f"{name}-seed{seed}"
+    if name not in PRESETS:  # drafter presets carry their format's version: old caches are not reused
+        from specray.models.drafter_presets import PRESET_FORMAT_TAG
+
+        target = target.with_name(target.name + PRESET_FORMAT_TAG)
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

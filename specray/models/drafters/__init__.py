@@ -4,12 +4,15 @@
 |---------------|------------|----------------------------|--------------------|-------------------|
 | ``draft_model`` | standalone | own pool, 32/64-token pages | 1 (autoregressive) | draft_model.py    |
 | ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
-| ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+| ``dspark``      | standalone | own pool, 32/64-token pages | k (one block)      | dspark.py         |
+| ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | eagle3.py         |
 | ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
 | ``ngram``       | pool-less  | none                       | 0..k (lookup)      | ngram.py          |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
-the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-eagle3``, ``-mtp``).
+the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-dspark``, ``-eagle3``,
+``-mtp``). ``eagle3``, ``dflash`` and ``dspark`` read the published formats (published.py loads
+them; formats.py detects which from config.json and documents the aux-layer convention).
 ``ngram`` has no checkpoint: it drafts from each sequence's own tokens.
 """
 
@@ -27,15 +30,9 @@ from specray.models.arch import arch_from_hf_config
 from specray.models.loader import CheckpointReader
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
 
-HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
+HEAD_ARCHITECTURES = {"mtp": "SpecrayMTPDrafter"}
 # The keys each head's config.json must have beyond the layer sizes, and what each is for.
-HEAD_KEYS = {
-    "eagle3": {"target_layer_ids": "the target layers whose outputs the drafter reads"},
-    "mtp": {},
-    "dflash": {"target_layer_ids": "the target layers whose outputs form the drafter's context",
-               "block_size": "the block length the drafter was trained for (k must be <= block_size - 1)",
-               "mask_token_id": "the token that fills the positions the drafter predicts"},
-}
+HEAD_KEYS = {"mtp": {}}
 
 
 def drafter_checkpoint(config: EngineConfig) -> Path:
@@ -82,24 +79,17 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
         from specray.models.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.load(path, ctx, config.dtype, target)
+    if spec.method in ("eagle3", "dflash", "dspark"):
+        from specray.models.drafters.published import load_published_drafter
+
+        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target)
     cfg = json.loads((path / "config.json").read_text())
     arch = _head_arch(cfg, path, spec.method, target)
     dtype = getattr(torch, config.dtype)
-    if spec.method == "dflash":
-        from specray.models.drafters.dflash import DFlashDrafter
+    from specray.models.drafters.common import FINAL_HIDDEN
+    from specray.models.drafters.hidden_state import HiddenStateDrafter
 
-        k, block = spec.num_draft_tokens, cfg["block_size"]
-        if k > block - 1:
-            raise ValueError(f"num_draft_tokens ({k}) must be <= block_size - 1 ({block - 1}) of dflash "
-                             f"drafter {str(path)!r}")
-        drafter = DFlashDrafter(arch, target, ctx, dtype, tuple(cfg["target_layer_ids"]), block,
-                                int(cfg["mask_token_id"]))
-    else:
-        from specray.models.drafters.common import FINAL_HIDDEN
-        from specray.models.drafters.hidden_state import HiddenStateDrafter
-
-        layers = tuple(cfg["target_layer_ids"]) if spec.method == "eagle3" else (FINAL_HIDDEN,)
-        drafter = HiddenStateDrafter(arch, target, ctx, dtype, layers)
+    drafter = HiddenStateDrafter(arch, target, ctx, dtype, (FINAL_HIDDEN,))
     reader = CheckpointReader(path, dtype, ctx.device)
     drafter.load(reader)
     reader.close()

@@ -69,3 +69,21 @@ class ReplicatedLinear(nn.Module):
 
     def load(self, reader, name: str) -> None:
         self.weight.copy_(reader.read(name))
+
+
+def read_d2t(reader, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """Target id of each draft id (``i + d2t[i]``, EAGLE-3's and speculators' mapping), checked."""
+    ids = torch.arange(draft_vocab_size, device=reader.device) + reader.read_exact("d2t").long()
+    if ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != ids.numel():
+        raise ValueError(f"drafter {str(reader.dir)!r}: d2t maps draft ids outside the target's "
+                         f"vocabulary [0, {vocab_size}) or onto one target id twice")
+    return ids
+
+
+def to_target_vocab(draft_logits: torch.Tensor, target_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits placed at their target ids, -inf elsewhere (None: already the target's)."""
+    if target_ids is None:
+        return draft_logits
+    full = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
+    full[:, target_ids] = draft_logits
+    return full

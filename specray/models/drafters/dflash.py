@@ -1,35 +1,25 @@
-"""``dflash``: a block drafter conditioned on the target's hidden states (DFlash-style).
+"""``dflash``: DFlash as z-lab publishes it (``DFlashDraftModel``; formats.py reads the config).
 
-Standalone (its own pool, 32- or 64-token pages, block-decode kernel). Per step, for a
-sequence of L tokens whose target KV covers positions [0, L - 1):
+Standalone: the drafter keeps its own pool (its page size follows the geometry agreement's
+rule for standalone drafters). Per step, for a sequence of L tokens whose target KV covers
+positions [0, L - 1):
 
-1. context injection: the target's residual streams after ``target_layer_ids`` at the
-   positions verified since the last step are concatenated, projected (``fc``) and
-   normalised (``hidden_norm``); every draft layer writes that context's K/V (its own k/v
-   projections, RoPE at the context positions) into the draft pool;
-2. the block [t_{L-1}, mask x k] at positions L-1 .. L+k-1 runs through the layers; its
-   queries attend *without a causal mask* to the whole context and the whole block;
-3. the outputs at the k mask positions, through the drafter's own final ``norm`` and the
-   target's LM head, are drafts 1..k: all k in one forward.
+1. context: the outputs of the target layers ``target_layer_ids`` at the positions verified
+   since the last step, concatenated, through ``fc`` and ``hidden_norm``; every draft layer
+   projects that context into its own K/V (k_proj, k_norm, RoPE at the context positions;
+   no input_layernorm) and keeps them in the draft pool;
+2. the query block is the target's embedding of [t_{L-1}, mask x (block_size - 1)] at
+   positions L-1 .. L+block_size-2 (times ``input_embedding_scale``); each Qwen3 layer (q/k
+   norm) attends its queries *without a causal mask* to the whole context (from the pool) and
+   the whole block (its own K/V, computed in the step and never written: they are not kept);
+3. the block's outputs at the mask positions, through the drafter's ``norm`` and the target's
+   LM head (times ``output_multiplier``, soft-capped if configured), are drafts 1 ..
+   block_size - 1 from one forward; the step takes the first k.
 
-The embedding and the LM head are the target's. Block positions are scratch: next step's
-context injection overwrites them, so the cache is valid below L - 1 only.
+The cache is therefore valid below L - 1 only (``reuses_draft_kv`` False).
 
-Checkpoint format (a directory):
-
-- ``config.json``: ``architectures`` = ["SpecrayDFlashDrafter"]; ``target_layer_ids`` (list
-  of target layer indices whose outputs form the context); ``block_size`` (the block
-  length it was trained for: k must be <= block_size - 1); ``mask_token_id`` (a token of
-  the target's vocabulary); ``vocab_size`` (the target's); Llama-style layer sizes
-  (``num_hidden_layers``, ``hidden_size`` = the target's, ``intermediate_size``,
-  ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
-  ``rope_theta``);
-- ``*.safetensors``: ``fc.weight`` [H, len(target_layer_ids) * H], ``hidden_norm.weight``
-  [H], ``norm.weight`` [H], and each layer under ``layers.{i}.`` in Hugging Face Llama
-  names (input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-  mlp.{gate,up,down}_proj).
-
-Sharding: fc replicated; the layers as in decoder.py (heads and MLP over tp).
+Sharding: fc and hidden_norm replicated; each layer's heads and MLP over tp as in decoder.py
+(q/k/v column-parallel, o_proj and down row-parallel with their all_reduce).
 """
 
 from __future__ import annotations
@@ -40,36 +30,75 @@ from torch import nn
 
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
-from specray.models.arch import ModelArch
 from specray.models.attention import build_metadata, write_kv
-from specray.models.block_attention import block_decode_attention
+from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES, TILE_TOKENS
 from specray.models.decoder import CausalLM, DecoderLayer
 from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear
+from specray.models.drafters.formats import DFlashFormat, check_tensors, layer_tensors
 from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+
+def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
+                            tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
+                            scale: float) -> torch.Tensor:
+    """q: [S * n, heads, dim]; k, v: the block's own [S * n, kv_heads, dim]. Every query sees
+    its sequence's first ``context_lens[s]`` pool positions and all n block keys (no causal
+    mask). The pool is read as block-decode reads it, in 64-token tiles of whole pages, so it
+    shares that kernel's capability (BLOCK_DECODE_PAGE_SIZES)."""
+    block_size, num_seqs = pool.shape[3], tables.shape[0]
+    if block_size not in BLOCK_DECODE_PAGE_SIZES:
+        raise ValueError(f"DFlash attention takes pages of {sorted(BLOCK_DECODE_PAGE_SIZES)} tokens, "
+                         f"not {block_size}")
+    kv_heads, dim, heads, n = pool.shape[2], pool.shape[4], q.shape[1], q.shape[0] // num_seqs
+    wanted = -(-max_context // TILE_TOKENS) * (TILE_TOKENS // block_size)
+    tables = tables[:, :wanted]
+    if tables.shape[1] < wanted:  # the last tile may reach past every table: pad, then mask
+        tables = torch.cat([tables, tables.new_zeros(num_seqs, wanted - tables.shape[1])], dim=1)
+    pages = pool.index_select(0, tables.reshape(-1)).view(num_seqs, wanted, 2, kv_heads, block_size, dim)
+    cached = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, num_seqs, kv_heads, wanted * block_size, dim)
+    keys = torch.cat([cached[0], k.view(num_seqs, n, kv_heads, dim).transpose(1, 2)], dim=2).float()
+    values = torch.cat([cached[1], v.view(num_seqs, n, kv_heads, dim).transpose(1, 2)], dim=2).float()
+    slots = torch.arange(wanted * block_size, device=q.device)
+    visible = torch.cat([slots[None] < context_lens[:, None],
+                         torch.ones(num_seqs, n, dtype=torch.bool, device=q.device)], dim=1)
+    qg = q.view(num_seqs, n, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4).float()
+    scores = torch.einsum("skgnd,sktd->skgnt", qg, keys) * scale
+    scores.masked_fill_(~visible[:, None, None, None], float("-inf"))
+    o = torch.einsum("skgnt,sktd->skgnd", scores.softmax(-1), values)
+    return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * n, heads, dim).to(q.dtype)
+
+
+def expected_tensors(fmt: DFlashFormat) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with its shape."""
+    a = fmt.arch
+    h = a.hidden_size
+    out = {"fc.weight": (h, len(fmt.feature_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(a.num_layers):
+        out.update(layer_tensors(f"layers.{i}", a, h))
+    return out
 
 
 class DFlashDrafter(nn.Module):
     is_standalone = True
     reuses_draft_kv = False
 
-    def __init__(self, arch: ModelArch, target: CausalLM, ctx: DistContext, dtype: torch.dtype,
-                 target_layer_ids: tuple[int, ...], block_size: int, mask_token_id: int):
+    def __init__(self, fmt: DFlashFormat, target: CausalLM, ctx: DistContext, dtype: torch.dtype):
         super().__init__()
-        h, dev, eps = arch.hidden_size, ctx.device, arch.rms_norm_eps
-        self.arch = arch
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
-        self.feature_layers = tuple(target_layer_ids)
-        self.block_size, self.mask_token_id = block_size, mask_token_id
+        a, dev = fmt.arch, ctx.device
+        h, eps = a.hidden_size, a.rms_norm_eps
+        self.fmt, self.feature_layers = fmt, fmt.feature_layers
+        self.block_size, self.mask_token_id = fmt.block_size, fmt.mask_token_id
+        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, dev)
         self.target = [target]  # a list so the target's modules are not registered twice
-        self.fc = ReplicatedLinear(len(target_layer_ids) * h, h, dtype, dev)
+        self.fc = ReplicatedLinear(len(fmt.feature_layers) * h, h, dtype, dev)
         self.hidden_norm = RMSNorm(h, eps, dtype, dev)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype, block_decode_attention)
-                                    for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i, ctx, dtype) for i in range(a.num_layers))
         self.norm = RMSNorm(h, eps, dtype, dev)
-        self.kv_layout = KVLayout(arch.num_layers, self.layers[0].self_attn.num_local_kv_heads, arch.head_dim)
+        self.kv_layout = KVLayout(a.num_layers, self.layers[0].self_attn.num_local_kv_heads, a.head_dim)
 
     @torch.no_grad()
     def load(self, reader) -> None:
+        check_tensors(reader, expected_tensors(self.fmt), reader.dir)
         self.fc.load(reader, "fc.weight")
         self.hidden_norm.load(reader, "hidden_norm.weight")
         self.norm.load(reader, "norm.weight")
@@ -81,15 +110,35 @@ class DFlashDrafter(nn.Module):
         """K/V of the injected context through this layer's own k/v projections."""
         attn = layer.self_attn
         q_size, kv_size = attn.qkv.out_sizes[0], attn.qkv.out_sizes[1]
-        k, v = F.linear(context, attn.qkv.weight[q_size:]).split([kv_size, kv_size], dim=-1)
-        k = k.view(-1, attn.num_local_kv_heads, attn.head_dim)
-        v = v.view(-1, attn.num_local_kv_heads, attn.head_dim)
-        if attn.k_norm is not None:
-            k = attn.k_norm(k)
-        write_kv(pool, apply_rope(k, cos, sin), v, slots)
+        bias = attn.qkv.bias[q_size:] if attn.qkv.bias is not None else None
+        k, v = F.linear(context, attn.qkv.weight[q_size:], bias).split([kv_size, kv_size], dim=-1)
+        k = attn.k_norm(k.view(-1, attn.num_local_kv_heads, attn.head_dim))
+        write_kv(pool, apply_rope(k, cos, sin), v.view(-1, attn.num_local_kv_heads, attn.head_dim), slots)
 
-    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
-        seqs, k, dev = batch.seqs, batch.k, batch.device
+    @staticmethod
+    def _layer(layer: DecoderLayer, x: torch.Tensor, cos, sin, pool, tables, context_lens, max_context):
+        """One Qwen3 layer on the query block; its K/V stay in the step."""
+        attn = layer.self_attn
+        heads, kv_heads, dim = attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim
+        qkv = attn.qkv(layer.input_layernorm(x)).view(-1, heads + 2 * kv_heads, dim)
+        q = apply_rope(attn.q_norm(qkv[:, :heads]), cos, sin)
+        k = apply_rope(attn.k_norm(qkv[:, heads:heads + kv_heads]), cos, sin)
+        o = context_block_attention(q, k, qkv[:, heads + kv_heads:], pool, tables, context_lens, max_context,
+                                    attn.scale)
+        x = x + attn.o_proj(o.reshape(o.shape[0], -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """z-lab's compute_logits: the target's head, scaled and optionally soft-capped."""
+        logits = self.target[0].logits(normed)
+        if self.fmt.output_multiplier != 1.0:
+            logits = logits * self.fmt.output_multiplier
+        cap = self.fmt.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def block_outputs(self, batch: DraftBatch) -> torch.Tensor:
+        """Writes the new context's K/V; returns the query block's normed outputs [S, block_size, H]."""
+        seqs, n, dev = batch.seqs, self.block_size, batch.device
         tables = [s.block_table for s in seqs]
         ctx_starts = [s.num_consumed for s in seqs]
         ctx_lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
@@ -98,13 +147,20 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(torch.cat([s.features for s in seqs])))
 
         starts = [len(s.tokens) - 1 for s in seqs]
-        positions, meta = build_metadata(tables, batch.block_size, starts, [k + 1] * len(seqs), dev, causal=False)
-        cos, sin = self.rotary(positions, max(meta.context_lens_list))
-        ids = torch.tensor([t for s in seqs for t in [s.tokens[-1]] + [self.mask_token_id] * k], device=dev)
+        positions = torch.tensor([p for start in starts for p in range(start, start + n)], device=dev)
+        cos, sin = self.rotary(positions, max(starts) + n)
+        ids = torch.tensor([t for s in seqs for t in [s.tokens[-1]] + [self.mask_token_id] * (n - 1)], device=dev)
         x = self.target[0].embed_tokens(ids)
+        if self.fmt.input_embedding_scale != 1.0:
+            x = x * self.fmt.input_embedding_scale
+        context_lens = torch.tensor(starts, device=dev)  # positions [0, L - 1) are context
         for layer, pool in zip(self.layers, batch.pools):
             self._write_context(layer, context, ctx_cos, ctx_sin, pool, ctx_meta.slot_mapping)
-            x = layer(x, cos, sin, pool, meta)
-        masks = x.view(len(seqs), k + 1, -1)[:, 1:].reshape(len(seqs) * k, -1)  # row 0 (t_{L-1}) drafts nothing
-        logits = self.target[0].logits(self.norm(masks)).view(len(seqs), k, -1)
+            x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts))
+        return self.norm(x).view(len(seqs), n, -1)
+
+    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
+        k, num_seqs = batch.k, len(batch.seqs)
+        masks = self.block_outputs(batch)[:, 1:k + 1]  # row 0 (t_{L-1}) drafts nothing
+        logits = self.logits(masks.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
         return torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)

@@ -1,29 +1,27 @@
-"""One-model drafters conditioned on the target's hidden states: ``eagle3`` and ``mtp``.
+"""``mtp``: a one-model drafter conditioned on the target's final hidden state (DeepSeek-V3
+style multi-token prediction), in specray's own ``SpecrayMTPDrafter`` format until the MTP
+layouts of the target checkpoints themselves are read (issue 13, item 4). ``eagle3`` now
+lives in eagle3.py and reads EAGLE-3's published formats.
 
-Both run one Llama-style decoder layer whose KV lives in the target's pool (the last layer
-of it) and use the target's block tables, embedding and LM head. Position p of the draft
-layer combines a feature for position p with the embedding of token p + 1 and predicts
-token p + 2:
+One Llama-style decoder layer whose KV lives in the target's pool (the last layer of it);
+the target's block tables, embedding and LM head. Position p of the draft layer combines
+the feature for position p with the embedding of token p + 1 and predicts token p + 2:
 
     x_p = eh_proj([enorm(embed(t_{p+1})); hnorm(f_p)]),  g_p = layer(x_p),  logits = lm_head(norm(g_p))
 
-- ``eagle3``: f_p = fc([h_p^low; h_p^mid; h_p^high]), the target's residual stream after
-  three chosen layers (``target_layer_ids``) fused by a linear layer (EAGLE-3).
-- ``mtp``: f_p = the target's final hidden state at p (DeepSeek-V3 multi-token prediction;
-  one MTP module, reused for every draft as vLLM does when k exceeds the module count).
+with f_p = the target's final hidden state at p (one MTP module, reused for every draft as
+vLLM does when k exceeds the module count).
 
 Each step catches up on the positions verified since the last step (target features),
 then drafts autoregressively with f = the layer's own output g (the features of a
 speculative position are the drafter's, so those positions are recomputed next step).
 
-Checkpoint (a directory): ``config.json`` with ``architectures`` =
-["SpecrayEagle3Drafter"] or ["SpecrayMTPDrafter"], the Llama-style layer sizes
-(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
-rms_norm_eps, rope_theta), ``vocab_size`` (the target's) and, for eagle3,
-``target_layer_ids``; safetensors with ``fc.weight`` (eagle3: [H, 3H]), ``enorm.weight``,
-``hnorm.weight``, ``eh_proj.weight`` [H, 2H], ``norm.weight`` and the layer under
-``layers.0.`` in Hugging Face Llama names. Sharding: fc and eh_proj replicated, the layer
-as in decoder.py.
+Checkpoint (a directory): ``config.json`` with ``architectures`` = ["SpecrayMTPDrafter"], the
+Llama-style layer sizes (hidden_size, intermediate_size, num_attention_heads,
+num_key_value_heads, head_dim, rms_norm_eps, rope_theta) and ``vocab_size`` (the target's);
+safetensors with ``enorm.weight``, ``hnorm.weight``, ``eh_proj.weight`` [H, 2H],
+``norm.weight`` and the layer under ``layers.0.`` in Hugging Face Llama names. Sharding:
+eh_proj replicated, the layer as in decoder.py.
 """
 
 from __future__ import annotations
