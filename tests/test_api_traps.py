@@ -105,10 +105,12 @@ def test_require_keys_names_the_file_every_missing_key_and_its_use():
 
 
 def _without(directory, key: str, into):
-    """A copy of a checkpoint directory whose config.json lacks ``key``."""
+    """A copy of a checkpoint directory whose config.json lacks ``key`` (at the top level and in
+    DFlash's nested ``dflash_config``)."""
     copy = shutil.copytree(directory, into)
     cfg = json.loads((copy / "config.json").read_text())
-    del cfg[key]
+    found = [section for section in (cfg, cfg.get("dflash_config") or {}) if section.pop(key, None) is not None]
+    assert found, f"{key!r} is not in {directory}/config.json"
     (copy / "config.json").write_text(json.dumps(cfg))
     return copy
 
@@ -121,9 +123,10 @@ def test_a_target_config_missing_a_key_names_the_file_and_the_key(tiny_checkpoin
 
 
 @pytest.mark.parametrize("method, key, use", [
-    ("dflash", "block_size", "the block length the drafter was trained for"),
+    # z-lab's DFlash defaults block_size (16) and EAGLE-3 its aux layers: only keys without a default
     ("dflash", "mask_token_id", "the token that fills the positions the drafter predicts"),
-    ("eagle3", "target_layer_ids", "the target layers whose outputs the drafter reads"),
+    ("dflash", "num_hidden_layers", "the number of decoder layers"),
+    ("eagle3", "hidden_size", "the width of the residual stream"),
     ("mtp", "hidden_size", "the width of the residual stream"),
     ("draft_model", "vocab_size", "the vocabulary size"),
 ])

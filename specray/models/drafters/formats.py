@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specray.errors import require_keys
 from specray.models.arch import ModelArch, arch_from_hf_config
 
 EAGLE3_SPECFORGE = "LlamaForCausalLMEagle3"
@@ -148,7 +149,7 @@ def read_eagle3(cfg: dict, target: ModelArch, source: str) -> Eagle3Format:
         prefix = "layers.0"
     else:
         layer_cfg, family, prefix = dict(cfg), "LlamaForCausalLM", "midlayer"
-    arch = arch_from_hf_config(dict(layer_cfg, architectures=[family]), source=source)
+    arch = arch_from_hf_config(dict(layer_cfg, architectures=[family]), source=_config_file(source))
     if arch.num_layers != 1:
         raise ValueError(f"drafter {source!r}: num_hidden_layers is {arch.num_layers}; specray's eagle3 runs "
                          f"the single EAGLE-3 decoder layer (1)")
@@ -167,6 +168,11 @@ def read_eagle3(cfg: dict, target: ModelArch, source: str) -> Eagle3Format:
                         norm_output=bool(cfg.get("norm_output", False)))
 
 
+def _config_file(source: str) -> str:
+    """The config.json of a drafter directory, as errors name it."""
+    return source if source.endswith("config.json") else f"{source.rstrip('/')}/config.json"
+
+
 def _dflash_value(cfg: dict, name: str, default=None):
     """z-lab's lookup: ``dflash_config`` first, then the top level."""
     return (cfg.get("dflash_config") or {}).get(name, cfg.get(name, default))
@@ -183,7 +189,7 @@ def dflash_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 def read_dflash(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
     """DFlash's architecture from z-lab's config, checked against the target."""
     detect_format(cfg, source)
-    arch = arch_from_hf_config(dict(cfg, architectures=["Qwen3ForCausalLM"]), source=source)
+    arch = arch_from_hf_config(dict(cfg, architectures=["Qwen3ForCausalLM"]), source=_config_file(source))
     if arch.hidden_size != target.hidden_size:
         raise ValueError(f"drafter {source!r} has hidden_size {arch.hidden_size} but the target has "
                          f"{target.hidden_size}: DFlash runs on the target's embeddings, so they must be equal")
@@ -197,7 +203,10 @@ def read_dflash(cfg: dict, target: ModelArch, source: str) -> DFlashFormat:
         raise ValueError(f"drafter {source!r}: target_layer_ids {bad} are outside the target's "
                          f"{target.num_layers} layers (they name layer outputs, 0 .. {target.num_layers - 1})")
     mask = _dflash_value(cfg, "mask_token_id")
-    if mask is None or not 0 <= int(mask) < target.vocab_size:
+    if mask is None:
+        require_keys({}, {"mask_token_id": "the token that fills the positions the drafter predicts; in "
+                          "dflash_config or at the top level"}, _config_file(source))
+    if not 0 <= int(mask) < target.vocab_size:
         raise ValueError(f"drafter {source!r}: dflash_config.mask_token_id ({mask}) must be a token of the "
                          f"target's vocabulary [0, {target.vocab_size})")
     block = int(_dflash_value(cfg, "block_size", 16))
