@@ -11,10 +11,10 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
 
-Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
+Rank processes started by a launcher (mp's rank server, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and
 the thread-count knobs. Nothing else of the driver's crosses, so a rank's behaviour does not
-depend on what the forkserver or the Ray worker happened to inherit.
+depend on what the rank server or the Ray worker happened to inherit.
 
 The allowlist (``FORWARDED_PREFIXES``, ``FORWARDED_NAMES``):
 

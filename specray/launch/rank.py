@@ -65,14 +65,42 @@ def share_cpu_threads(num_local_ranks: int) -> None:
     torch.set_num_threads(max(1, cores // num_local_ranks))
 
 
-def error_reply(exc: BaseException, is_fatal: bool) -> tuple:
-    """An error as plain data: exception objects from torch may not unpickle elsewhere."""
-    return ("error", type(exc).__name__, str(exc), is_fatal)
+@dataclass(frozen=True, slots=True)
+class RankReply:
+    """What a rank sends the driver: ``ready`` (start-up done: geometry and pid), ``ok`` (a
+    call's outputs) or ``error``. Errors travel as plain data (type name and message):
+    exception objects from torch may not unpickle elsewhere."""
+
+    kind: str
+    geometry: dict | None = None
+    pid: int | None = None
+    outputs: list | None = None
+    error_type: str = ""
+    message: str = ""
+    is_fatal: bool = False
+    """A fatal error broke the job; a non-fatal one (bad input) rejected only the call."""
+
+    @classmethod
+    def error(cls, exc: BaseException, is_fatal: bool) -> RankReply:
+        return cls("error", error_type=type(exc).__name__, message=str(exc), is_fatal=is_fatal)
+
+    @property
+    def is_error(self) -> bool:
+        return self.kind == "error"
+
+    def describe(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+    def exception(self, rank: int = 0) -> Exception:
+        """A non-fatal error as the driver raises it: bad input stays a ValueError."""
+        if self.error_type == "ValueError":
+            return ValueError(self.message)
+        return RuntimeError(f"rank {rank} failed: {self.describe()}")
 
 
-def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], reply: Callable[[tuple], None],
+def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], reply: Callable[[RankReply], None],
           heartbeat_s: float) -> None:
-    """Rank 0's loop: ("generate", prompts, params) -> ("ok", outputs) or an error reply;
+    """Rank 0's loop: ("generate", prompts, params) -> RankReply "ok" or "error";
     ("close",) or a fatal error ends it. ``next_request(t)`` returns None after t idle seconds."""
     while True:
         request = next_request(heartbeat_s)
@@ -83,19 +111,12 @@ def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], rep
         if request[0] == "close":
             return
         try:
-            reply(("ok", engine.generate(*request[1:])))
+            reply(RankReply("ok", outputs=engine.generate(*request[1:])))
         except Exception as e:
-            reply(error_reply(e, engine.is_broken))
+            reply(RankReply.error(e, engine.is_broken))
             if engine.is_broken:
                 raise
 
 
 def run_follower(session: RankSession) -> None:
     follow(session.worker, session.channel, session.ctx.timeout_s)
-
-
-def exception_from_reply(reply: tuple, rank: int = 0) -> Exception:
-    _, kind, message, _ = reply
-    if kind == "ValueError":
-        return ValueError(message)
-    return RuntimeError(f"rank {rank} failed: {kind}: {message}")

@@ -19,7 +19,7 @@ import torch
 from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
 from specray.executor.engine import EngineCore
-from specray.launch.rank import run_follower, serve, start_rank
+from specray.launch.rank import RankReply, run_follower, serve, start_rank
 from specray.launch.ray_placement import cuda_ordinal
 
 ACTOR_THREADS = 4  # run + submit + ping + health
@@ -82,10 +82,10 @@ class RankActor:
             return None
         return request
 
-    def _reply(self, message: tuple) -> None:
+    def _reply(self, message: RankReply) -> None:
         self._reply_box.put(message)
 
-    def submit(self, prompts, params) -> tuple:
+    def submit(self, prompts, params) -> RankReply:
         box: queue.Queue = queue.Queue(maxsize=1)
         self._requests.put((("generate", prompts, params), box))
         return box.get()  # bounded: if the loop dies, the driver sees it and kills this actor
