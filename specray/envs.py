@@ -38,10 +38,22 @@ FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRI
 FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
 
 
+def is_forwarded(name: str) -> bool:
+    return name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
+
+
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The driver's variables that every rank process receives (the documented allowlist)."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+    return {k: v for k, v in environ.items() if is_forwarded(k)}
+
+
+def adopt_forwarded_env(env: dict[str, str], environ=os.environ) -> None:
+    """Make this process's forwarded variables exactly the driver's ``env``: a rank forked from a
+    long-lived server must not keep one the driver has unset since the server started."""
+    for name in [k for k in environ if is_forwarded(k) and k not in env]:
+        del environ[name]
+    environ.update(env)
 
 
 def rank_value(name: str, rank: int) -> str | None:

@@ -21,6 +21,7 @@ launcher arranges); ``close`` tears the groups down again.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -68,6 +69,9 @@ class DistContext:
     control: Group = SINGLE
     """Rank 0 and the ranks on other nodes: step plans that shared memory cannot carry."""
     node_of_rank: tuple[int, ...] = (0,)
+    num_ranks_on_host: int = 1
+    """Ranks of this job on this rank's host (same hostname), which share its RAM; not
+    ``local_world_size``: torchrun may run several "nodes" on one host."""
     job_id: str = ""
     """Random per job: names of shared-memory segments derive from it."""
     owns_process_group: bool = False
@@ -105,7 +109,9 @@ class DistContext:
         ctx.cpu = TorchGroup(ranks, rdzv.rank, "gloo", timeout_s)
         ctx.tp = TorchGroup(ranks, rdzv.rank, backend, timeout_s, pg=dist.group.WORLD)
         ctx._make_expert_groups(parallel.resolved_moe_sizes[0])
-        ctx.node_of_rank = node_ids(ctx.cpu.all_gather_object(rdzv.node_key))
+        places = ctx.cpu.all_gather_object((rdzv.node_key, socket.gethostname()))
+        ctx.node_of_rank = node_ids([key for key, _ in places])
+        ctx.num_ranks_on_host = sum(host == places[rdzv.rank][1] for _, host in places)
         ctx.node_id = ctx.node_of_rank[rdzv.rank]
         ctx.job_id = ctx.cpu.broadcast_object(rdzv.job_id or new_job_id())
         attach_reducers(ctx, parallel.allreduce)  # one-shot all-reduce where selection allows it

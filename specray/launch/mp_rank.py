@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 
 from specray.comm.rendezvous import Rendezvous
 from specray.config import EngineConfig
+from specray.envs import adopt_forwarded_env
 from specray.executor.engine import EngineCore
 from specray.launch.rank import RankReply, run_follower, serve, start_rank
 
@@ -37,7 +38,7 @@ def run_rank_process(conn_fd: int) -> int:
             print("specray rank: no job from the driver within 60 s", file=sys.stderr)
             return 1
         job: RankJob = conn.recv()
-        os.environ.update(job.env)
+        adopt_forwarded_env(job.env)
         rank_main(job.config, job.rdzv, conn)
         return 0
     except SystemExit as e:

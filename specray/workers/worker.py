@@ -19,7 +19,7 @@ from specray.executor.sampling import sample_rows
 from specray.executor.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
-from specray.kv.budget import kv_budget_bytes
+from specray.kv.budget import rank_kv_budget_bytes
 from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch, read_arch
 from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
@@ -101,8 +101,8 @@ class RankWorker:
                                  f"per rank to share the target pool, which has {layout.num_kv_heads} of "
                                  f"{layout.head_dim}")
             layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
-        return RankReport(rank=ctx.rank, node=socket.gethostname(),
-                          budget_bytes=kv_budget_bytes(fraction, cfg.kv, ctx.device), target_layout=layout,
+        budget = rank_kv_budget_bytes(fraction, cfg.kv, ctx.device, ctx.num_ranks_on_host)
+        return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
                           target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
 
