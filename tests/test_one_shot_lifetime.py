@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specray.comm import one_shot
-from specray.comm.allreduce import make_reducer
+from specray.comm.allreduce import make_reducer, select_path
 from specray.comm.group import TorchGroup
 from test_one_shot import join_world, spawn_ranks  # tests/ is on sys.path (no __init__.py)
 
@@ -131,3 +131,54 @@ def test_bad_selection_arguments_are_rejected_before_any_collective():
     assert make_reducer(SimpleNamespace(**{**vars(group), "backend": "nccl"}), [0, 0], "auto", 30.0) is None
     with pytest.raises(ValueError, match="group of 2 to 64 ranks"):
         one_shot.OneShotAllReduce(SimpleNamespace(size=1, ranks=(0,), rank_in_group=0), 4096, 30.0)
+
+
+SERVABLE = dict(group_size=4, node_ids=[0, 0, 0, 0], backend="gloo", is_supported_machine=True)
+
+
+@pytest.mark.parametrize("mode, changes, path, reason", [
+    ("auto", {}, "one_shot", ""),
+    ("one_shot", {}, "one_shot", ""),
+    ("torch", {}, "torch", "allreduce='torch'"),
+    ("auto", dict(group_size=1, node_ids=[0]), "torch", "group of 1"),
+    ("auto", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
+    ("one_shot", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
+    ("auto", dict(backend="nccl"), "torch", "backend 'nccl'"),
+    ("auto", dict(is_supported_machine=False), "torch", "not x86-64"),
+    ("auto", dict(group_size=72, node_ids=[0] * 72), "torch", "groups of 2 to 64 ranks, this group has 72"),
+    ("auto", dict(group_size=65, node_ids=[0] * 65), "torch", "this group has 65"),
+    ("one_shot", dict(group_size=64, node_ids=[0] * 64), "one_shot", ""),
+])
+def test_selection_falls_back_to_torch_wherever_one_shot_cannot_serve(mode, changes, path, reason):
+    got_path, got_reason = select_path(mode, **{**SERVABLE, **changes})
+    assert got_path == path and reason in got_reason
+
+
+def test_forced_one_shot_over_the_limit_says_what_to_choose_instead():
+    with pytest.raises(ValueError, match=r"allreduce='one_shot': one-shot all-reduce takes groups of 2 to 64 ranks, "
+                                         r"this group has 72; choose allreduce='auto' .* or 'torch'"):
+        select_path("one_shot", **{**SERVABLE, "group_size": 72, "node_ids": [0] * 72})
+
+
+def _over_the_limit_body(rank: int, world: int, store_path: str, queue) -> dict:
+    """A 3-rank group with the one-shot limit lowered to 2: auto falls back, one_shot refuses."""
+    group = join_world(rank, world, store_path)
+    group.reducer = make_reducer(group, [0] * world, "auto", 30.0, max_group_size=2)
+    total = group.all_reduce(torch.full((4,), float(rank + 1))).tolist()
+    try:
+        make_reducer(group, [0] * world, "one_shot", 30.0, max_group_size=2)
+        forced = None
+    except ValueError as e:
+        forced = str(e)
+    group.barrier()  # both choices were made without a collective: the group is still in step
+    return dict(reducer=group.reducer, total=total, forced=forced)
+
+
+def test_auto_over_the_one_shot_limit_runs_on_torch(tmp_path):
+    from test_one_shot import results_by_rank
+
+    results = results_by_rank(*spawn_ranks(3, _over_the_limit_body, tmp_path, timeout_s=90.0))
+    for rank in range(3):
+        assert results[rank]["reducer"] is None
+        assert results[rank]["total"] == [6.0] * 4
+        assert "this group has 3; choose allreduce='auto'" in results[rank]["forced"]
