@@ -33,6 +33,7 @@ other variable a rank needs goes there.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
@@ -54,6 +55,11 @@ def adopt_forwarded_env(env: dict[str, str], environ=os.environ) -> None:
     for name in [k for k in environ if is_forwarded(k) and k not in env]:
         del environ[name]
     environ.update(env)
+
+
+def cache_root() -> Path:
+    """Where presets and CPU kernel builds are cached: $SPECRAY_CACHE, default ~/.cache/specray."""
+    return Path(os.environ.get("SPECRAY_CACHE", Path.home() / ".cache" / "specray"))
 
 
 def rank_value(name: str, rank: int) -> str | None:

@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from specray.comm.group import TorchGroup
 from specray.comm.one_shot import MAX_GROUP_SIZE, OneShotAllReduce, OneShotUnavailable, is_supported_platform
 from specray.config import ALLREDUCE_MODES
-
-if TYPE_CHECKING:
-    from specray.comm.context import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +67,6 @@ class SelectedAllReduce:
 
     def close(self) -> None:
         self.one_shot.close()
-
-
-def attach_reducers(ctx: DistContext, mode: str) -> None:
-    """Set ``reducer`` on each of ctx's tensor groups (tp, moe_tp, moe_ep; each group once).
-
-    Collective: every rank calls it once its groups and ``node_of_rank`` exist. Every rank
-    visits the groups in the same order and each make_reducer talks only inside its group,
-    so the disjoint moe_tp (or moe_ep) groups set up side by side without waiting on each
-    other. Closing a group drops its reducer, which unmaps the segment."""
-    seen: set[int] = set()
-    for group in (ctx.tp, ctx.moe_tp, ctx.moe_ep):
-        if isinstance(group, TorchGroup) and id(group) not in seen:
-            seen.add(id(group))
-            group.reducer = make_reducer(group, [ctx.node_of_rank[r] for r in group.ranks], mode, ctx.timeout_s,
-                                         job_id=ctx.job_id)
 
 
 ADVICE = "choose allreduce='auto' (falls back to torch.distributed where one-shot cannot serve) or 'torch'"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specray.models.presets import cache_root
+from specray.envs import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,10 @@ import torch
 from safetensors import safe_open
 
 from specray.models.arch import ModelArch, arch_from_hf_config
+from specray.models.checkpoint_writer import random_weights, write_checkpoint
 
+HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
+"""The ``architectures`` entry of each head format's config.json (drafters/ checks it on load)."""
 DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3", "mtp": "mtp"}
 HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3}  # distinct weights per head kind
 
@@ -34,8 +37,6 @@ def feature_layer_ids(num_layers: int) -> list[int]:
 
 
 def head_config(method: str, target: ModelArch) -> dict:
-    from specray.models.drafters import HEAD_ARCHITECTURES
-
     cfg = dict(architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",
                vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                intermediate_size=target.intermediate_size or 4 * target.hidden_size, num_hidden_layers=1,
@@ -84,11 +85,9 @@ def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dic
     return {name: t for name, t in weights.items() if kept(name)}
 
 
-def drafter_preset(target_name: str, method: str, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, weights) of the drafter preset for a target preset."""
-    from specray.models.presets import PRESETS, random_weights
-
-    target_cfg = PRESETS[target_name]
+def drafter_preset(target_cfg: dict, target_name: str, method: str,
+                   seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, weights) of the drafter preset for the target preset ``target_name`` (config ``target_cfg``)."""
     if method == "draft_model":
         return dict(target_cfg, num_hidden_layers=1), early_exit_weights(random_weights(target_cfg, seed), 1)
     cfg = head_config(method, arch_from_hf_config(target_cfg, source=target_name))
@@ -98,8 +97,6 @@ def drafter_preset(target_name: str, method: str, seed: int) -> tuple[dict, dict
 def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path, seed: int = 0) -> Path:
     """Write a drafter checkpoint matching any target checkpoint directory (tests, custom
     targets): draft_model = the target's early-exit copy, heads = seeded random weights."""
-    from specray.models.presets import write_checkpoint
-
     target_dir, directory = Path(target_dir), Path(directory)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     if method == "draft_model":

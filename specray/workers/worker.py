@@ -14,9 +14,9 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
-from specray.executor.plan import StepPlan
-from specray.executor.sampling import sample_rows
-from specray.executor.spec_step import SpecRunner
+from specray.workers.plan import StepPlan
+from specray.workers.sampling import sample_rows
+from specray.workers.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import rank_kv_budget_bytes

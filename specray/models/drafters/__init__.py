@@ -22,9 +22,8 @@ from specray.comm.context import DistContext
 from specray.config import EngineConfig
 from specray.models.arch import arch_from_hf_config
 from specray.models.loader import CheckpointReader
+from specray.models.drafter_presets import HEAD_ARCHITECTURES
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
-
-HEAD_ARCHITECTURES = {"eagle3": "SpecrayEagle3Drafter", "mtp": "SpecrayMTPDrafter", "dflash": "SpecrayDFlashDrafter"}
 
 
 def drafter_checkpoint(config: EngineConfig) -> Path:
