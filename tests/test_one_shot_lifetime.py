@@ -1,5 +1,6 @@
 """One-shot all-reduce lifetime and safety: no segment outlives its group (normal close, an
-exception, a killed rank), a dead rank is named (from its pid, before the timeout), the segment is private to the user."""
+exception, a killed rank), a dead rank is named (from its pid, before the timeout), the
+segment is private to the user; and the selection's fallback to torch.distributed."""
 
 from __future__ import annotations
 

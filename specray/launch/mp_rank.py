@@ -16,8 +16,7 @@ from multiprocessing.connection import Connection
 from specray.comm.rendezvous import Rendezvous
 from specray.config import EngineConfig
 from specray.envs import adopt_forwarded_env
-from specray.executor.engine import EngineCore
-from specray.launch.rank import RankReply, run_follower, serve, start_rank
+from specray.launch.rank import RankReply, run_rank, start_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +51,10 @@ def run_rank_process(conn_fd: int) -> int:
 
 
 def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
-    session = None
     try:
         session = start_rank(config, rdzv)
         conn.send(RankReply("ready", geometry=session.worker.geometry, pid=os.getpid()))
-        if rdzv.rank == 0:
-            engine = EngineCore(config, session.worker, session.channel)
-            serve(engine, lambda t: _next_request(conn, t), conn.send, config.parallel.timeout_s / 4)
-            engine.close()
-        else:
-            run_follower(session)
+        run_rank(session, config, lambda t: _next_request(conn, t), conn.send)
     except BaseException as e:  # report, then exit non-zero: the driver names this rank
         traceback.print_exc()
         try:
@@ -69,9 +62,6 @@ def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
         except OSError:
             pass
         raise SystemExit(1)
-    finally:
-        if session is not None:
-            session.close()
 
 
 def _next_request(conn: Connection, timeout_s: float):

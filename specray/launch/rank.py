@@ -1,9 +1,11 @@
 """What every rank process runs, whoever launched it: join the groups, load the shards,
 agree the pools, open the control channel; then rank 0 serves calls and the others follow.
 
-The serving loop (rank 0 under mp and Ray) takes requests from the driver, one call at a
-time, and sends a heartbeat down the channel whenever it has waited ``timeout_s / 4`` for
-one, so followers waiting for a plan can tell an idle rank 0 from a dead one.
+``start_rank`` then ``run_rank`` is the whole life of a rank under mp and Ray alike; the
+launchers only supply how requests arrive and replies leave. The serving loop (rank 0)
+takes requests from the driver, one call at a time, and sends a heartbeat down the channel
+whenever it has waited ``timeout_s / 4`` for one, so followers waiting for a plan can tell
+an idle rank 0 from a dead one.
 """
 
 from __future__ import annotations
@@ -118,5 +120,17 @@ def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], rep
                 raise
 
 
-def run_follower(session: RankSession) -> None:
-    follow(session.worker, session.channel, session.ctx.timeout_s)
+def run_rank(session: RankSession, config: EngineConfig, next_request: Callable[[float], tuple | None],
+             reply: Callable[[RankReply], None]) -> None:
+    """A started rank's life until its job ends, under any launcher that talks to rank 0 (mp,
+    Ray): rank 0 serves the driver's calls (``serve``), the others follow its plans. Closes
+    the session however it ends."""
+    try:
+        if session.ctx.rank == 0:
+            engine = EngineCore(config, session.worker, session.channel)
+            serve(engine, next_request, reply, config.parallel.timeout_s / 4)
+            engine.close()
+        else:
+            follow(session.worker, session.channel, session.ctx.timeout_s)
+    finally:
+        session.close()

@@ -18,8 +18,7 @@ import torch
 
 from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
-from specray.executor.engine import EngineCore
-from specray.launch.rank import RankReply, run_follower, serve, start_rank
+from specray.launch.rank import RankReply, run_rank, start_rank
 from specray.launch.ray_placement import cuda_ordinal
 
 ACTOR_THREADS = 4  # run + submit + ping + health
@@ -61,18 +60,12 @@ class RankActor:
             torch.cuda.set_device(s.ctx.device)
         self.state = "serving" if self.rank == 0 else "following"
         try:
-            if self.rank == 0:
-                engine = EngineCore(self.config, s.worker, s.channel)
-                serve(engine, self._next_request, self._reply, self.config.parallel.timeout_s / 4)
-                engine.close()
-            else:
-                run_follower(s)
+            run_rank(s, self.config, self._next_request, self._reply)
             self.state = "stopped"
         except BaseException:
             self.state = "failed"
             raise
         finally:
-            s.close()
             self.session = None
 
     def _next_request(self, timeout_s: float):
