@@ -18,6 +18,9 @@ from specray.config import EngineConfig
 from specray.envs import adopt_forwarded_env
 from specray.launch.rank import RankReply, run_rank, start_rank
 
+JOB_WAIT_S = 60.0
+"""The driver sends the job right after the fork; this only bounds a driver that died in between."""
+
 
 @dataclass(frozen=True, slots=True)
 class RankJob:
@@ -33,8 +36,8 @@ def run_rank_process(conn_fd: int) -> int:
     """The body of a forked rank: returns its exit code (0 after a clean close)."""
     conn = Connection(conn_fd)
     try:
-        if not conn.poll(60.0):  # the driver sends the job right after the fork
-            print("specray rank: no job from the driver within 60 s", file=sys.stderr)
+        if not conn.poll(JOB_WAIT_S):
+            print(f"specray rank: no job from the driver within {JOB_WAIT_S:.0f} s", file=sys.stderr)
             return 1
         job: RankJob = conn.recv()
         adopt_forwarded_env(job.env)

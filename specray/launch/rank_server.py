@@ -55,12 +55,11 @@ def _fork_rank(conn_fd: int, own_fds: list[int], status_fds: dict[int, int]) -> 
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
-        for fd in [read_end, *own_fds, *status_fds.values()]:  # peers' status pipes must EOF with the server
-            os.close(fd)
-        signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(-1)  # before its fd closes: a signal must not write to a reused fd number
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C reaches the ranks as before
-        os.close(write_end)
+        for fd in [read_end, write_end, *own_fds, *status_fds.values()]:  # peers' status pipes EOF with the server
+            os.close(fd)
         os._exit(run_rank_process(conn_fd))
     os.close(conn_fd)
     os.write(write_end, STATUS.pack(pid))
