@@ -10,7 +10,7 @@ everything it started.
 Ranks are forked by the rank server (``launch/rank_server.py``), a ``python -m`` process that
 never imports the user's ``__main__``: scripts without an ``if __name__ == "__main__":``
 guard, ``python -c`` and notebooks all work. Each rank reads its job (``RankJob``) from its
-pipe and answers with ``RankReply`` values.
+pipe; requests (``RankRequest``) and replies (``RankReply``) are small dataclasses.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specray.config import EngineConfig
 from specray.envs import forwarded_env
 from specray.launch.mp_rank import RankJob
 from specray.launch.procs import RankFailure, stop_processes
-from specray.launch.rank import RankReply
+from specray.launch.rank import CLOSE, RankReply, RankRequest
 from specray.launch.spawner import RankProcess, rank_server
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,14 @@ class MPEngine:
         with self._call_lock:  # one call at a time on the pipe to rank 0
             if self._closed:
                 raise RuntimeError("this LLM is closed")
-            self._conns[0].send(("generate", prompts, params))
+            self._conns[0].send(RankRequest("generate", prompts, params))
             return self._await([self._conns[0]], "generate")[0].outputs
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self._conns[0].send(("close",))
+            self._conns[0].send(CLOSE)
         except (OSError, IndexError):
             pass
         self._stop(grace_s=self.timeout_s)

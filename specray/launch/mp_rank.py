@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from specray.comm.rendezvous import Rendezvous
 from specray.config import EngineConfig
 from specray.envs import adopt_forwarded_env
-from specray.launch.rank import RankReply, run_rank, start_rank
+from specray.launch.rank import CLOSE, RankReply, RankRequest, run_rank, start_rank
 
 JOB_WAIT_S = 60.0
 """The driver sends the job right after the fork; this only bounds a driver that died in between."""
@@ -67,10 +67,10 @@ def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
         raise SystemExit(1)
 
 
-def _next_request(conn: Connection, timeout_s: float):
+def _next_request(conn: Connection, timeout_s: float) -> RankRequest | None:
     if not conn.poll(timeout_s):
         return None
     try:
         return conn.recv()
     except EOFError:  # the driver is gone: stop the job
-        return ("close",)
+        return CLOSE

@@ -68,6 +68,18 @@ def share_cpu_threads(num_local_ranks: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class RankRequest:
+    """What the driver sends rank 0: ``generate`` (prompts and their params) or ``close``."""
+
+    kind: str
+    prompts: list | None = None
+    params: list | None = None
+
+
+CLOSE = RankRequest("close")
+
+
+@dataclass(frozen=True, slots=True)
 class RankReply:
     """What a rank sends the driver: ``ready`` (start-up done: geometry and pid), ``ok`` (a
     call's outputs) or ``error``. Errors travel as plain data (type name and message):
@@ -100,27 +112,27 @@ class RankReply:
         return RuntimeError(f"rank {rank} failed: {self.describe()}")
 
 
-def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], reply: Callable[[RankReply], None],
-          heartbeat_s: float) -> None:
-    """Rank 0's loop: ("generate", prompts, params) -> RankReply "ok" or "error";
-    ("close",) or a fatal error ends it. ``next_request(t)`` returns None after t idle seconds."""
+def serve(engine: EngineCore, next_request: Callable[[float], RankRequest | None],
+          reply: Callable[[RankReply], None], heartbeat_s: float) -> None:
+    """Rank 0's loop: a ``generate`` request -> RankReply "ok" or "error"; ``close`` or a fatal
+    error ends it. ``next_request(t)`` returns None after t idle seconds."""
     while True:
         request = next_request(heartbeat_s)
         if request is None:
             if engine.channel is not None:
                 engine.channel.heartbeat()
             continue
-        if request[0] == "close":
+        if request.kind == "close":
             return
         try:
-            reply(RankReply("ok", outputs=engine.generate(*request[1:])))
+            reply(RankReply("ok", outputs=engine.generate(request.prompts, request.params)))
         except Exception as e:
             reply(RankReply.error(e, engine.is_broken))
             if engine.is_broken:
                 raise
 
 
-def run_rank(session: RankSession, config: EngineConfig, next_request: Callable[[float], tuple | None],
+def run_rank(session: RankSession, config: EngineConfig, next_request: Callable[[float], RankRequest | None],
              reply: Callable[[RankReply], None]) -> None:
     """A started rank's life until its job ends, under any launcher that talks to rank 0 (mp,
     Ray): rank 0 serves the driver's calls (``serve``), the others follow its plans. Closes

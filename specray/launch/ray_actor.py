@@ -18,7 +18,7 @@ import torch
 
 from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
-from specray.launch.rank import RankReply, run_rank, start_rank
+from specray.launch.rank import CLOSE, RankReply, RankRequest, run_rank, start_rank
 from specray.launch.ray_placement import cuda_ordinal
 
 ACTOR_THREADS = 4  # run + submit + ping + health
@@ -80,11 +80,11 @@ class RankActor:
 
     def submit(self, prompts, params) -> RankReply:
         box: queue.Queue = queue.Queue(maxsize=1)
-        self._requests.put((("generate", prompts, params), box))
+        self._requests.put((RankRequest("generate", prompts, params), box))
         return box.get()  # bounded: if the loop dies, the driver sees it and kills this actor
 
     def stop(self) -> None:
-        self._requests.put((("close",), None))
+        self._requests.put((CLOSE, None))
 
     def ping(self) -> int:
         return self.rank
