@@ -87,11 +87,7 @@ class MPEngine:
                         reply = handle.recv()
                     except EOFError:
                         raise self._failure(what) from None
-                    if reply.is_error:
-                        if not reply.is_fatal and rank == 0:
-                            raise reply.exception()
-                        raise self._failure(what, f"rank {rank} reported {reply.describe()}")
-                    replies[rank] = reply
+                    replies[rank] = reply.checked(rank, lambda detail: self._failure(what, detail))
                     del pending[handle]
                     del watched[handle]
                 elif handle not in pending:  # a death, or an error from a rank we did not ask

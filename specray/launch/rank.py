@@ -105,11 +105,17 @@ class RankReply:
     def describe(self) -> str:
         return f"{self.error_type}: {self.message}"
 
-    def exception(self, rank: int = 0) -> Exception:
-        """A non-fatal error as the driver raises it: bad input stays a ValueError."""
-        if self.error_type == "ValueError":
-            return ValueError(self.message)
-        return RuntimeError(f"rank {rank} failed: {self.describe()}")
+    def checked(self, rank: int, fail: Callable[[str], Exception]) -> RankReply:
+        """This reply if it is no error. Rank 0's non-fatal error (bad input rejected before any
+        step) is raised as it is (a ValueError stays one) and the job goes on; any other error
+        is raised as ``fail(detail)``, which stops the job (mp and Ray drivers alike)."""
+        if not self.is_error:
+            return self
+        if not self.is_fatal and rank == 0:
+            if self.error_type == "ValueError":
+                raise ValueError(self.message)
+            raise RuntimeError(f"rank {rank} failed: {self.describe()}")
+        raise fail(f"rank {rank} reported {self.describe()}")
 
 
 def serve(engine: EngineCore, next_request: Callable[[float], RankRequest | None],

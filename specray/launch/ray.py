@@ -131,11 +131,7 @@ class RayEngine:
         if self._closed:
             raise RuntimeError("this LLM is closed")
         reply = self._watch(self._actors[0].submit.remote(prompts, params), "generate")
-        if not reply.is_error:
-            return reply.outputs
-        if not reply.is_fatal:
-            raise reply.exception()
-        raise self._failure("generate", f"rank 0 reported {reply.describe()}")
+        return reply.checked(0, lambda detail: self._failure("generate", detail)).outputs
 
     def _watch(self, call, what: str):
         """``call``'s value, while watching every rank (see the module doc for the bound)."""
