@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
-from specray.executor.plan import StepPlan
+from specray.workers.plan import StepPlan
 
 
 def decode_plan(batch: int) -> StepPlan:

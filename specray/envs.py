@@ -13,10 +13,10 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 | SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
 |                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
 
-Rank processes started by a launcher (mp's forkserver, Ray actors) get the driver's
+Rank processes started by a launcher (mp's rank server, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and
 the thread-count knobs. Nothing else of the driver's crosses, so a rank's behaviour does not
-depend on what the forkserver or the Ray worker happened to inherit.
+depend on what the rank server or the Ray worker happened to inherit.
 
 The allowlist (``FORWARDED_PREFIXES``, ``FORWARDED_NAMES``):
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 FORWARDED_PREFIXES = ("SPECRAY_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARDED_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
@@ -55,10 +56,27 @@ def torchrun_env_present(environ: Mapping[str, str] | None = None) -> bool:
     return all(name in environ for name in TORCHRUN_MARKERS)
 
 
+def is_forwarded(name: str) -> bool:
+    return name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
+
+
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The driver's variables that every rank process receives (the documented allowlist)."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+    return {k: v for k, v in environ.items() if is_forwarded(k)}
+
+
+def adopt_forwarded_env(env: dict[str, str], environ=os.environ) -> None:
+    """Make this process's forwarded variables exactly the driver's ``env``: a rank forked from a
+    long-lived server must not keep one the driver has unset since the server started."""
+    for name in [k for k in environ if is_forwarded(k) and k not in env]:
+        del environ[name]
+    environ.update(env)
+
+
+def cache_root() -> Path:
+    """Where presets and CPU kernel builds are cached: $SPECRAY_CACHE, default ~/.cache/specray."""
+    return Path(os.environ.get("SPECRAY_CACHE", Path.home() / ".cache" / "specray"))
 
 
 def rank_value(name: str, rank: int) -> str | None:

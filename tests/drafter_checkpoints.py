@@ -17,7 +17,7 @@ from specray.models.arch import read_arch
 from specray.models.drafter_presets import dflash_config, dspark_config, eagle3_config, head_weights
 from specray.models.drafters.common import DraftBatch, DraftSeq
 from specray.models.drafters.published import load_published_drafter
-from specray.models.presets import write_checkpoint
+from specray.models.checkpoint_writer import write_checkpoint
 
 PAGE = 32
 

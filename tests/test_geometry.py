@@ -7,7 +7,7 @@ import torch
 
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.kv.agreement import RankReport, check_fingerprints, decide, fingerprint
-from specray.kv.budget import split_budget
+from specray.kv.budget import kv_budget_bytes, split_budget
 from specray.kv.geometry import KVLayout, allocate_pool
 from specray.kv.page_size import check_target_page_size, choose_draft_page_size, has_separate_draft_pool
 
@@ -92,6 +92,24 @@ def test_minimum_budget_over_ranks_wins():
     geometry = decide(reports, KVConfig(tokens_per_block=16), None, "float32")
     assert geometry.keys() == {"target"}
     assert geometry["target"].num_blocks == 4_000_000 // (16384 * 16)  # 15
+
+
+@pytest.mark.parametrize("available, fraction, ranks, cap, expected", [
+    (16_000, 0.5, 1, 1 << 40, 8_000),  # one rank: the whole fraction
+    (16_000, 0.5, 8, 1 << 40, 1_000),  # 8 ranks on a host split it: 8 x 1000 = 0.5 x 16000
+    (16_000, 0.5, 3, 1 << 40, 2_666),  # rounded down, so the sum never exceeds the fraction
+    (16_000, 0.5, 2, 3_000, 3_000),  # the cap applies to each rank's share
+    (16_000, 0.5, 1, None, 8_000),  # no cap (a GPU)
+])
+def test_kv_budget_splits_the_fraction_between_ranks_sharing_memory(available, fraction, ranks, cap, expected):
+    got = kv_budget_bytes(available_bytes=available, memory_fraction=fraction, num_ranks_sharing=ranks, cap_bytes=cap)
+    assert got == expected
+    assert ranks * got <= fraction * available
+
+
+def test_kv_budget_needs_at_least_one_rank():
+    with pytest.raises(ValueError, match=r"num_ranks_sharing \(0\) must be >= 1"):
+        kv_budget_bytes(available_bytes=1, memory_fraction=0.5, num_ranks_sharing=0, cap_bytes=None)
 
 
 def test_fingerprint_mismatch_names_rank_pool_and_field():

@@ -29,11 +29,12 @@ def launcher(request):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch, tp, launcher):
-    # Rank r offers (r + 1) x 0.0005 of the free memory (~10-40 MB here); every rank must
-    # allocate what the smallest offer holds. A 25% band absorbs free memory moving between
-    # the ranks' readings while still telling the minimum (x1) from any other offer (>= x2).
+    # Rank r offers (r + 1) x 0.0005 of the free memory, split between the tp ranks on this host
+    # (~2-20 MB here); every rank must allocate what the smallest offer holds. A 25% band absorbs
+    # free memory moving between the ranks' readings while still telling the minimum (x1) from
+    # any other offer (>= x2).
     monkeypatch.setenv("SPECRAY_KV_MEMORY_FRACTION", ";".join(f"{r}:{0.0005 * (r + 1)}" for r in range(tp)))
-    expected = 0.0005 * available_memory_bytes(torch.device("cpu"))
+    expected = 0.0005 * available_memory_bytes(torch.device("cpu")) / tp
     with LLM(_config(tp, launcher)) as llm:
         (name, geometry), = llm.geometry.items()
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -88,3 +89,24 @@ def test_ranks_sharing_no_page_size_fail_everywhere_without_hanging(monkeypatch,
     # an error broadcast by rank 0, not a wait for a collective's timeout: the bound is a third
     # of the timeout (start-up takes a few seconds here), so a run that waited cannot pass
     assert time.monotonic() - start < timeout_s / 3
+
+
+def test_eight_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
+    """Default KV settings, 8 ranks on this host: each offers 1/8 of memory_fraction of the free
+    memory, so together they allocate at most memory_fraction of it (before the split, 8 ranks
+    claimed 8 x min(fraction x free, cpu_max_bytes) and TP=16 was OOM-killed). This allocates
+    about half of the free memory, for a few seconds."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("SPECRAY_KV_MEMORY_FRACTION", raising=False)
+    kv = KVConfig()
+    free_before = available_memory_bytes(torch.device("cpu"))
+    config = EngineConfig(model="tiny-llama", kv=kv, parallel=ParallelConfig(tp_size=8, launcher="mp", timeout_s=60.0))
+    with LLM(config) as llm:
+        per_rank = sum(g.num_bytes for g in llm.geometry.values())
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    # The ranks read the free memory after their processes and weights took some, so their sum is
+    # below the fraction of what was free before; 2% covers other jobs on the host freeing memory
+    # in between. The lower bound shows the budget was split, not lost (1/8 of the fraction each).
+    assert 8 * per_rank <= 1.02 * kv.memory_fraction * free_before
+    assert 8 * per_rank >= 0.5 * min(kv.memory_fraction * free_before, 8 * kv.cpu_max_bytes)

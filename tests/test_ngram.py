@@ -14,7 +14,7 @@ import torch
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.spec_metrics import aggregate, request_metrics
-from specray.executor.verify import accept_rejection, one_hot_draft_probs
+from specray.workers.verify import accept_rejection, one_hot_draft_probs
 from specray.kv.allocator import BlockAllocator
 from specray.kv.agreement import RankReport, decide
 from specray.kv.geometry import KVLayout

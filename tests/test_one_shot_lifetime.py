@@ -1,5 +1,6 @@
 """One-shot all-reduce lifetime and safety: no segment outlives its group (normal close, an
-exception, a killed rank), a dead rank is named in a timeout, the segment is private to the user."""
+exception, a killed rank), a dead rank is named (from its pid, before the timeout), the
+segment is private to the user; and the selection's fallback to torch.distributed."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specray.comm import one_shot
-from specray.comm.allreduce import make_reducer
+from specray.comm import one_shot, shm
+from specray.comm.allreduce import make_reducer, select_path
 from specray.comm.group import TorchGroup
 from test_one_shot import join_world, spawn_ranks  # tests/ is on sys.path (no __init__.py)
 
 
 def my_segments() -> list[str]:
     """Segment names this process created that still exist (the name carries the creator's pid)."""
-    return [f for f in os.listdir(one_shot.SHM_DIR) if f.startswith(f"{one_shot.NAME_PREFIX}{os.getpid()}-")]
+    return shm.segments_created_by(os.getpid())
 
 
 def _cannot_map(path: str, size: int):
@@ -28,9 +29,9 @@ def _cannot_map(path: str, size: int):
 
 def _failed_setup(rank: int, group: TorchGroup) -> dict:
     """Rank 1 cannot map the segment: every rank falls back (auto) or raises (one_shot) together."""
-    real_open = one_shot._open_and_map
+    real_attach = shm.attach_segment
     if rank == 1:
-        one_shot._open_and_map = _cannot_map
+        shm.attach_segment = _cannot_map
     try:
         auto = make_reducer(group, [0] * group.size, "auto", 30.0)
         try:
@@ -39,7 +40,7 @@ def _failed_setup(rank: int, group: TorchGroup) -> dict:
         except one_shot.OneShotUnavailable as e:
             forced_error = str(e)
     finally:
-        one_shot._open_and_map = real_open
+        shm.attach_segment = real_attach
     return dict(auto=auto, forced_error=forced_error, leftover=my_segments())
 
 
@@ -90,35 +91,42 @@ def test_no_segment_left_after_close_exception_or_killed_rank_and_dead_rank_name
         assert normal["sum"] == [6.0] * 5 and normal["leftover"] == []
         assert "is closed" in got[(rank, "after_close")]
     for rank in (1, 2):
-        timeout, again = got[(rank, "dead_rank")]
-        assert timeout.startswith("TimeoutError: ranks [0] did not arrive"), timeout
+        first, again = got[(rank, "dead_rank")]  # named from its pid, well before timeout_s
+        assert first.startswith("PeerGone: ranks [0] did not arrive"), first
+        assert f"rank 0 (pid {got[(0, 'pid')]}) has exited" in first
         assert again.startswith("RuntimeError:") and "failed earlier" in again
         assert "leaving with a live reducer" in got[(rank, "error")]
-    creator_prefix = f"{one_shot.NAME_PREFIX}{got[(0, 'pid')]}-"
-    assert not [f for f in os.listdir(one_shot.SHM_DIR) if f.startswith(creator_prefix)]
+    assert shm.segments_created_by(got[(0, "pid")]) == []
 
 
-def test_segment_is_created_exclusively_with_mode_0600_whatever_the_umask(tmp_path):
-    path = str(tmp_path / "segment")
+def test_segment_is_created_exclusively_with_mode_0600_whatever_the_umask():
+    name = shm.segment_name("test", "mode")
     old_umask = os.umask(0)
     try:
-        one_shot._create(path, 3 * 4096)
+        shm.create_segment(name, 3 * 4096).close()
         with pytest.raises(FileExistsError):
-            one_shot._create(path, 4096)  # O_EXCL: never adopt a file someone else made
+            shm.create_segment(name, 4096)  # O_EXCL: never adopt a file someone else made
+        st = os.stat(os.path.join(shm.SHM_DIR, name))
     finally:
         os.umask(old_umask)
-    st = os.stat(path)
+        shm.unlink_segment(name)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 3 * 4096 and st.st_uid == os.getuid()
 
 
-def test_ranks_refuse_to_map_a_segment_other_users_could_read(tmp_path):
-    path = tmp_path / "segment"
-    path.write_bytes(bytes(4096))
-    path.chmod(0o644)
-    with pytest.raises(PermissionError, match="mode 644"):
-        one_shot._open_and_map(str(path), 4096)
-    path.chmod(0o600)
-    one_shot._open_and_map(str(path), 4096).close()
+def test_ranks_refuse_to_map_a_segment_other_users_could_read_or_of_another_size():
+    name = shm.segment_name("test", "perm")
+    path = os.path.join(shm.SHM_DIR, name)
+    try:
+        shm.create_segment(name, 4096).close()
+        os.chmod(path, 0o644)
+        with pytest.raises(PermissionError, match="mode 644"):
+            shm.attach_segment(name, 4096)
+        os.chmod(path, 0o600)
+        with pytest.raises(PermissionError, match="4096 bytes; expected .* 8192 bytes"):
+            shm.attach_segment(name, 8192)
+        shm.attach_segment(name, 4096).close()
+    finally:
+        shm.unlink_segment(name)
 
 
 def test_bad_selection_arguments_are_rejected_before_any_collective():
@@ -131,3 +139,54 @@ def test_bad_selection_arguments_are_rejected_before_any_collective():
     assert make_reducer(SimpleNamespace(**{**vars(group), "backend": "nccl"}), [0, 0], "auto", 30.0) is None
     with pytest.raises(ValueError, match="group of 2 to 64 ranks"):
         one_shot.OneShotAllReduce(SimpleNamespace(size=1, ranks=(0,), rank_in_group=0), 4096, 30.0)
+
+
+SERVABLE = dict(group_size=4, node_ids=[0, 0, 0, 0], backend="gloo", is_supported_machine=True)
+
+
+@pytest.mark.parametrize("mode, changes, path, reason", [
+    ("auto", {}, "one_shot", ""),
+    ("one_shot", {}, "one_shot", ""),
+    ("torch", {}, "torch", "allreduce='torch'"),
+    ("auto", dict(group_size=1, node_ids=[0]), "torch", "group of 1"),
+    ("auto", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
+    ("one_shot", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
+    ("auto", dict(backend="nccl"), "torch", "backend 'nccl'"),
+    ("auto", dict(is_supported_machine=False), "torch", "not x86-64"),
+    ("auto", dict(group_size=72, node_ids=[0] * 72), "torch", "groups of 2 to 64 ranks, this group has 72"),
+    ("auto", dict(group_size=65, node_ids=[0] * 65), "torch", "this group has 65"),
+    ("one_shot", dict(group_size=64, node_ids=[0] * 64), "one_shot", ""),
+])
+def test_selection_falls_back_to_torch_wherever_one_shot_cannot_serve(mode, changes, path, reason):
+    got_path, got_reason = select_path(mode, **{**SERVABLE, **changes})
+    assert got_path == path and reason in got_reason
+
+
+def test_forced_one_shot_over_the_limit_says_what_to_choose_instead():
+    with pytest.raises(ValueError, match=r"allreduce='one_shot': one-shot all-reduce takes groups of 2 to 64 ranks, "
+                                         r"this group has 72; choose allreduce='auto' .* or 'torch'"):
+        select_path("one_shot", **{**SERVABLE, "group_size": 72, "node_ids": [0] * 72})
+
+
+def _over_the_limit_body(rank: int, world: int, store_path: str, queue) -> dict:
+    """A 3-rank group with the one-shot limit lowered to 2: auto falls back, one_shot refuses."""
+    group = join_world(rank, world, store_path)
+    group.reducer = make_reducer(group, [0] * world, "auto", 30.0, max_group_size=2)
+    total = group.all_reduce(torch.full((4,), float(rank + 1))).tolist()
+    try:
+        make_reducer(group, [0] * world, "one_shot", 30.0, max_group_size=2)
+        forced = None
+    except ValueError as e:
+        forced = str(e)
+    group.barrier()  # both choices were made without a collective: the group is still in step
+    return dict(reducer=group.reducer, total=total, forced=forced)
+
+
+def test_auto_over_the_one_shot_limit_runs_on_torch(tmp_path):
+    from test_one_shot import results_by_rank
+
+    results = results_by_rank(*spawn_ranks(3, _over_the_limit_body, tmp_path, timeout_s=90.0))
+    for rank in range(3):
+        assert results[rank]["reducer"] is None
+        assert results[rank]["total"] == [6.0] * 4
+        assert "this group has 3; choose allreduce='auto'" in results[rank]["forced"]

@@ -58,12 +58,14 @@ def test_world_size_must_equal_tp_size():
     validate_mapping(arch, ParallelConfig(tp_size=8))  # 8 heads, 4 kv heads replicated twice: fine
 
 
-def test_bad_mapping_fails_before_any_rank_starts():
-    import multiprocessing
+def test_bad_mapping_fails_before_any_rank_starts(monkeypatch):
+    from specray.launch import spawner
 
+    started = []
+    monkeypatch.setattr(spawner.RankServer, "start_rank", lambda self, *args: started.append(args))
     with pytest.raises(ValueError, match=r"tp_size \(3\) must divide the attention heads \(8\)"):
         LLM(EngineConfig(model="tiny-llama", parallel=ParallelConfig(tp_size=3, launcher="mp")))
-    assert multiprocessing.active_children() == []
+    assert started == []
 
 
 def _ring(num_readers: int, num_slots: int = 4, slot_bytes: int = 64):

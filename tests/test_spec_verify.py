@@ -6,7 +6,7 @@ import torch
 
 from specray.config import SamplingParams
 from specray.executor.scheduler import Scheduler, Sequence
-from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted
+from specray.workers.verify import accept_greedy, accept_rejection, forced_num_emitted
 from specray.kv.allocator import BlockAllocator
 
 

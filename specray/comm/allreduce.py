@@ -3,11 +3,14 @@
 ``ParallelConfig.allreduce``:
 
 - ``"torch"``: torch.distributed (gloo on CPU, NCCL on CUDA) for everything.
-- ``"auto"``: one-shot for messages of at most ``AUTO_THRESHOLD_BYTES`` on a group whose ranks
-  all sit on one node; torch.distributed for larger messages and for groups across nodes.
+- ``"auto"``: one-shot for messages of at most ``AUTO_THRESHOLD_BYTES`` on a group the one-shot
+  path can serve; torch.distributed for larger messages and wherever it cannot, whatever the
+  reason (``select_path``: ranks on several nodes, a group over ``MAX_GROUP_SIZE``, ...; or a
+  segment that fails to set up).
 - ``"one_shot"``: one-shot for every message that fits its buffer (``ONE_SHOT_SLOT_BYTES``),
   still torch.distributed for larger messages and for groups across nodes (shared memory does
-  not reach another node); a failed segment set-up is an error here, where ``auto`` falls back.
+  not reach another node); a group over the limit or a failed segment set-up is an error here
+  that names ``auto`` or ``torch`` as the choice to make instead.
 
 Under both modes, CUDA groups (no GPU path is built), non-x86-64 hosts (see one_shot.py on
 memory ordering), CUDA tensors and dtypes other than float32 / bfloat16 / float16 go to
@@ -19,17 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from specray.comm.group import TorchGroup
-from specray.comm.one_shot import OneShotAllReduce, OneShotUnavailable, is_supported_platform
+from specray.comm.one_shot import MAX_GROUP_SIZE, OneShotAllReduce, OneShotUnavailable, is_supported_platform
 from specray.config import ALLREDUCE_MODES
-
-if TYPE_CHECKING:
-    from specray.comm.context import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -71,41 +69,54 @@ class SelectedAllReduce:
         self.one_shot.close()
 
 
-def attach_reducers(ctx: DistContext, mode: str) -> None:
-    """Set ``reducer`` on each of ctx's tensor groups (tp, moe_tp, moe_ep; each group once).
+ADVICE = "choose allreduce='auto' (falls back to torch.distributed where one-shot cannot serve) or 'torch'"
 
-    Collective: every rank calls it once its groups and ``node_of_rank`` exist. Every rank
-    visits the groups in the same order and each make_reducer talks only inside its group,
-    so the disjoint moe_tp (or moe_ep) groups set up side by side without waiting on each
-    other. Closing a group drops its reducer, which unmaps the segment."""
-    seen: set[int] = set()
-    for group in (ctx.tp, ctx.moe_tp, ctx.moe_ep):
-        if isinstance(group, TorchGroup) and id(group) not in seen:
-            seen.add(id(group))
-            group.reducer = make_reducer(group, [ctx.node_of_rank[r] for r in group.ranks], mode, ctx.timeout_s,
-                                         job_id=ctx.job_id)
+
+def select_path(mode: str, *, group_size: int, node_ids: Sequence[int], backend: str, is_supported_machine: bool,
+                max_group_size: int = MAX_GROUP_SIZE) -> tuple[str, str]:
+    """(path, reason) for a group before any segment exists: path 'one_shot' or 'torch'.
+
+    torch under every mode: mode 'torch', a group of one, ranks on several nodes (shared memory
+    does not reach another node), a non-gloo backend (no GPU path is built), a machine that is
+    not x86-64 with /dev/shm. A group larger than ``max_group_size`` (the segment's flag header
+    holds that many ranks): torch under 'auto', a ValueError under 'one_shot' that says what to
+    choose instead. A segment that then fails to set up is the same choice (``make_reducer``)."""
+    if mode not in ALLREDUCE_MODES:
+        raise ValueError(f"allreduce {mode!r} must be one of {ALLREDUCE_MODES}")
+    if len(node_ids) != group_size:
+        raise ValueError(f"node_ids has {len(node_ids)} entries, but the group has {group_size} ranks: "
+                         f"give the node of each rank in group order")
+    if mode == "torch" or group_size == 1:
+        return "torch", f"allreduce={mode!r}, group of {group_size}"
+    if len(set(node_ids)) > 1:
+        return "torch", f"the group spans nodes {sorted(set(node_ids))}"
+    if backend != "gloo":
+        return "torch", f"backend {backend!r} (the one-shot path is CPU only)"
+    if not is_supported_machine:
+        return "torch", "this machine is not x86-64 with /dev/shm (see comm/one_shot.py on memory ordering)"
+    if group_size > max_group_size:
+        reason = f"one-shot all-reduce takes groups of 2 to {max_group_size} ranks, this group has {group_size}"
+        if mode == "one_shot":
+            raise ValueError(f"allreduce='one_shot': {reason}; {ADVICE}")
+        return "torch", reason
+    return "one_shot", ""
 
 
 def make_reducer(group: TorchGroup, node_ids: Sequence[int], mode: str, timeout_s: float, *,
                  threshold_bytes: int | None = None, slot_bytes: int | None = None,
-                 job_id: str = "") -> SelectedAllReduce | None:
+                 max_group_size: int = MAX_GROUP_SIZE, job_id: str = "") -> SelectedAllReduce | None:
     """The reducer for ``group.reducer``, or None where torch.distributed does everything.
 
     Collective over the group when it returns a reducer: every member calls it with the same
     ``node_ids`` (the node of each rank in ``group.ranks`` order) and mode, in the same order
-    as its other collectives. ``threshold_bytes`` / ``slot_bytes`` override the defaults
-    (tests, benchmarks); ``job_id`` goes into the segment's name (``specray-<job>-ar-...``).
+    as its other collectives. ``threshold_bytes`` / ``slot_bytes`` / ``max_group_size``
+    override the defaults (tests, benchmarks); ``job_id`` goes into the segment's name
+    (``specray-<job>-ar-...``).
     """
-    if mode not in ALLREDUCE_MODES:
-        raise ValueError(f"allreduce {mode!r} must be one of {ALLREDUCE_MODES}")
-    if len(node_ids) != group.size:
-        raise ValueError(f"node_ids has {len(node_ids)} entries, but the group has {group.size} ranks "
-                         f"{group.ranks}: give the node of each rank in group order")
-    if mode == "torch" or group.size == 1:
-        return None
-    if len(set(node_ids)) > 1 or group.backend != "gloo" or not is_supported_platform():
-        log.info("all-reduce over ranks %s uses torch.distributed: nodes %s, backend %s, machine supported: %s",
-                 group.ranks, list(node_ids), group.backend, is_supported_platform())
+    path, reason = select_path(mode, group_size=group.size, node_ids=node_ids, backend=group.backend,
+                               is_supported_machine=is_supported_platform(), max_group_size=max_group_size)
+    if path == "torch":
+        log.info("all-reduce over ranks %s uses torch.distributed: %s", group.ranks, reason)
         return None
     limit = AUTO_THRESHOLD_BYTES if threshold_bytes is None else threshold_bytes
     if slot_bytes is None:
@@ -116,7 +127,7 @@ def make_reducer(group: TorchGroup, node_ids: Sequence[int], mode: str, timeout_
         one_shot = OneShotAllReduce(group, slot_bytes, timeout_s, job_id=job_id)
     except OneShotUnavailable as e:
         if mode == "one_shot":
-            raise
+            raise OneShotUnavailable(f"allreduce='one_shot': {e}; {ADVICE}") from None
         log.warning("one-shot all-reduce over ranks %s unavailable, using torch.distributed: %s", group.ranks, e)
         return None
     return SelectedAllReduce(one_shot, limit, group.pg)

@@ -7,8 +7,8 @@ Two transports, chosen per reader by node:
   into one or more consecutive slots (chunks); each slot header carries the chunk's sequence
   number, written last, so a reader that sees the number sees the payload. Every reader
   publishes how many chunks it consumed; the writer reuses a slot only when every reader
-  has passed it. Waiting spins briefly, then yields, then sleeps with a growing pause; every
-  wait has a deadline and checks that the peer it waits on is alive.
+  has passed it. Waiting is ``comm/spin.py``'s (``PLAN_WAIT``): every wait has a deadline and
+  checks that the peer it waits on is alive. The segment comes from ``comm/shm.py``.
 - **CPU group** (followers on other hosts): ``broadcast_object`` over ``ctx.control`` (gloo),
   which carries the group timeout.
 
@@ -20,18 +20,18 @@ ring assumes x86-64 or another platform where aligned 8-byte stores are atomic; 
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pickle
 import threading
-import time
-
-import logging
+from collections.abc import Callable
 
 import numpy as np
 
 from specray.comm.group import Group
-from specray.comm.shm import attach_segment, create_segment, segment_name, unlink_segment
+from specray.comm.shm import attach_segment, create_segment, share_segment
+from specray.comm.spin import PLAN_WAIT, PeerGone, is_alive, spin_until
 
 log = logging.getLogger(__name__)
 SLOT_HEADER = 64  # bytes: [seq + 1, message length, chunk length], padded to a cache line
@@ -45,42 +45,8 @@ def _fence() -> None:
     _FENCE.release()
 
 
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class PeerGone(RuntimeError):
-    """The process on the other side of a wait has exited."""
-
-
-def wait_until(ready, timeout_s: float | None, peers_alive, what: str) -> None:
-    """Spin ~50 us, yield up to 1 ms, then sleep (20 us doubling to 2 ms; to 20 ms once the
-    wait passes 100 ms, i.e. rank 0 is idle, not planning) until ``ready()``."""
-    if ready():
-        return
-    start = time.monotonic()
-    next_check, pause, spins = start + 0.2, 20e-6, 0
-    while not ready():
-        spins += 1
-        if spins < 50:
-            continue
-        now = time.monotonic()
-        if now - start < 1e-3:
-            os.sched_yield()
-        else:
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3 if now - start < 0.1 else 20e-3)
-        if now >= next_check:
-            peers_alive()
-            next_check = now + 0.2
-            if timeout_s is not None and now - start > timeout_s:
-                raise TimeoutError(f"{what}: nothing after {timeout_s:.1f} s (ParallelConfig.timeout_s)")
+def _timed_out(what: str, timeout_s: float | None) -> Callable[[float], Exception]:
+    return lambda waited: TimeoutError(f"{what}: nothing after {timeout_s:.1f} s (ParallelConfig.timeout_s)")
 
 
 class ShmRing:
@@ -108,15 +74,27 @@ class ShmRing:
         return self.slots_at + i * (SLOT_HEADER + self.slot_bytes)
 
     @classmethod
-    def create(cls, name: str, num_readers: int, num_slots: int, slot_bytes: int) -> ShmRing:
-        size = cls._header_bytes(num_readers) + num_slots * (SLOT_HEADER + slot_bytes)
-        buf = create_segment(name, size)
+    def num_bytes(cls, num_readers: int, num_slots: int, slot_bytes: int) -> int:
+        return cls._header_bytes(num_readers) + num_slots * (SLOT_HEADER + slot_bytes)
+
+    @staticmethod
+    def write_header(buf: mmap.mmap, num_readers: int, num_slots: int, slot_bytes: int) -> None:
+        """The writer's part of a new segment, before any reader maps it."""
         np.frombuffer(buf, dtype=np.int64, count=4)[:] = (os.getpid(), num_readers, num_slots, slot_bytes)
+
+    @classmethod
+    def create(cls, name: str, num_readers: int, num_slots: int, slot_bytes: int) -> ShmRing:
+        buf = create_segment(name, cls.num_bytes(num_readers, num_slots, slot_bytes))
+        cls.write_header(buf, num_readers, num_slots, slot_bytes)
         return cls(buf, None)
 
     @classmethod
     def attach(cls, name: str, reader_index: int) -> ShmRing:
-        ring = cls(attach_segment(name), reader_index)
+        return cls.reader(attach_segment(name), reader_index)
+
+    @classmethod
+    def reader(cls, buf: mmap.mmap, reader_index: int) -> ShmRing:
+        ring = cls(buf, reader_index)
         ring.reader_pids[reader_index] = os.getpid()
         return ring
 
@@ -137,8 +115,8 @@ class ShmRing:
         view, total, offset = memoryview(data), len(data), 0
         while True:
             seq = self.next_seq
-            wait_until(lambda: seq - int(self.consumed.min()) < self.num_slots, timeout_s,
-                       self._readers_alive, "waiting for followers to read a step plan")
+            spin_until(lambda: seq - int(self.consumed.min()) < self.num_slots, PLAN_WAIT, timeout_s,
+                       self._readers_alive, _timed_out("waiting for followers to read a step plan", timeout_s))
             chunk = view[offset:offset + self.slot_bytes]
             start = self._slot(seq % self.num_slots) + SLOT_HEADER
             self.buf[start:start + len(chunk)] = chunk
@@ -156,8 +134,8 @@ class ShmRing:
         while total is None or received < total:
             seq = self.next_seq
             header = self.slot_headers[seq % self.num_slots]
-            wait_until(lambda: int(header[0]) == seq + 1, timeout_s, self._writer_alive,
-                       "waiting for rank 0's next step plan")
+            spin_until(lambda: int(header[0]) == seq + 1, PLAN_WAIT, timeout_s, self._writer_alive,
+                       _timed_out("waiting for rank 0's next step plan", timeout_s))
             _fence()
             total, size = int(header[1]), int(header[2])
             start = self._slot(seq % self.num_slots) + SLOT_HEADER
@@ -223,18 +201,15 @@ def open_channel(ctx, num_slots: int = 8, slot_bytes: int = 64 << 10) -> PlanSen
     if ctx.world_size == 1:
         return None
     local = [r for r in ctx.local_ranks_of(ctx.node_of_rank[0]) if r != 0]
-    name, ring = None, None
-    if ctx.rank == 0 and local:
-        name = segment_name(ctx.job_id, "plans")
-        ring = ShmRing.create(name, len(local), num_slots, slot_bytes)
-    name = ctx.cpu.broadcast_object(name)
-    try:
-        if ctx.rank in local:
-            ring = ShmRing.attach(name, local.index(ctx.rank))
-        ctx.cpu.barrier()
-    finally:
-        if ctx.rank == 0 and name is not None:
-            unlink_segment(name)
+    ring = None
+    if local:  # every rank knows `local`, so all take part in share_segment or none does
+        geometry = (len(local), num_slots, slot_bytes)
+        _, buf = share_segment(ctx.cpu, ShmRing.num_bytes(*geometry), ctx.job_id, "plans", needs_map=ctx.rank in local,
+                            init=lambda b: ShmRing.write_header(b, *geometry))
+        if ctx.rank == 0:
+            ring = ShmRing(buf, None)
+        elif buf is not None:
+            ring = ShmRing.reader(buf, local.index(ctx.rank))
     end = PlanSender(ring, ctx.control, ctx.timeout_s) if ctx.rank == 0 else PlanReceiver(ring, ctx.control)
     log.info("step plans reach %s by shared memory and %s by the CPU group", local or "no rank",
              [r for r in range(1, ctx.world_size) if r not in local] or "no rank")

@@ -21,13 +21,14 @@ launcher arranges); ``close`` tears the groups down again.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from specray.comm.allreduce import attach_reducers
+from specray.comm.allreduce import make_reducer
 from specray.comm.group import SINGLE, Group, TorchGroup, partition_groups
 from specray.comm.rendezvous import Rendezvous, join_store, new_job_id
 from specray.config import ParallelConfig
@@ -68,6 +69,9 @@ class DistContext:
     control: Group = SINGLE
     """Rank 0 and the ranks on other nodes: step plans that shared memory cannot carry."""
     node_of_rank: tuple[int, ...] = (0,)
+    num_ranks_on_host: int = 1
+    """Ranks of this job on this rank's host (same hostname), which share its RAM; not
+    ``local_world_size``: torchrun may run several "nodes" on one host."""
     job_id: str = ""
     """Random per job: names of shared-memory segments derive from it."""
     owns_process_group: bool = False
@@ -105,10 +109,12 @@ class DistContext:
         ctx.cpu = TorchGroup(ranks, rdzv.rank, "gloo", timeout_s)
         ctx.tp = TorchGroup(ranks, rdzv.rank, backend, timeout_s, pg=dist.group.WORLD)
         ctx._make_expert_groups(parallel.resolved_moe_sizes[0])
-        ctx.node_of_rank = node_ids(ctx.cpu.all_gather_object(rdzv.node_key))
+        places = ctx.cpu.all_gather_object((rdzv.node_key, socket.gethostname()))
+        ctx.node_of_rank = node_ids([key for key, _ in places])
+        ctx.num_ranks_on_host = sum(host == places[rdzv.rank][1] for _, host in places)
         ctx.node_id = ctx.node_of_rank[rdzv.rank]
         ctx.job_id = ctx.cpu.broadcast_object(rdzv.job_id or new_job_id())
-        attach_reducers(ctx, parallel.allreduce)  # one-shot all-reduce where selection allows it
+        ctx._attach_reducers(parallel.allreduce)  # one-shot all-reduce where selection allows it
         remote = tuple(r for r in ranks if ctx.node_of_rank[r] != ctx.node_of_rank[0])
         ctx.control = partition_groups([(0, *remote)] + [(r,) for r in ranks if r and r not in remote],
                                        rdzv.rank, "gloo", timeout_s)
@@ -121,6 +127,20 @@ class DistContext:
             tp_parts, self.rank, self.backend, self.timeout_s)
         self.moe_ep = self.tp if ep_parts == everyone else partition_groups(
             ep_parts, self.rank, self.backend, self.timeout_s)
+
+    def _attach_reducers(self, mode: str) -> None:
+        """Set ``reducer`` on each of ctx's tensor groups (tp, moe_tp, moe_ep; each group once).
+
+        Collective: every rank calls it once its groups and ``node_of_rank`` exist. Every rank
+        visits the groups in the same order and each make_reducer talks only inside its group,
+        so the disjoint moe_tp (or moe_ep) groups set up side by side without waiting on each
+        other. Closing a group drops its reducer, which unmaps the segment."""
+        seen: set[int] = set()
+        for group in (self.tp, self.moe_tp, self.moe_ep):
+            if isinstance(group, TorchGroup) and id(group) not in seen:
+                seen.add(id(group))
+                group.reducer = make_reducer(group, [self.node_of_rank[r] for r in group.ranks], mode, self.timeout_s,
+                                             job_id=self.job_id)
 
     def local_ranks_of(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, n in enumerate(self.node_of_rank) if n == node)

@@ -22,47 +22,35 @@ store order makes the slot visible to the other cores before the flag (loads are
 with loads either). Other architectures need fences that Python cannot issue, so
 ``is_supported_platform()`` is false there and selection falls back to torch.distributed.
 
-Lifetime and safety: rank 0 of the group creates ``/dev/shm/specray-[<job id>-]ar-<pid>-<token>``
-with O_CREAT | O_EXCL and mode 0600 (the job's user only; a fresh random name per job and group,
-never a fixed one), reserves its pages (``posix_fallocate``: a full /dev/shm fails here, not as
-a SIGBUS later), every rank opens and maps it, the ranks agree that all of them mapped it, and
-the creator unlinks the name at once. From then on the segment has no name: the kernel frees it
-when the last rank unmaps it or exits, so nothing is left behind after a close, an exception or
-a killed rank. The one window is start-up itself: a creator killed between create and unlink
-(one gloo round trip) leaves its file. Each group has its own segment and call counter, so the
+Lifetime and safety: the segment is set up by ``comm/shm.share_segment`` (private to the user,
+pages reserved, unlinked as soon as every rank mapped it, so nothing is left behind after a
+close, an exception or a killed rank). Each group has its own segment and call counter, so the
 tp group and the MoE groups never touch each other's flags or slots.
+
+Waiting (step 3) uses ``comm/spin.py`` with ``ALLREDUCE_WAIT``. Each rank's flag line also holds
+its pid, so a waiting rank names a peer that exited within ``CHECK_EVERY_S`` instead of only
+after ``timeout_s``.
 
 CUDA tensors are not handled here (no GPU path is built); selection sends them to torch.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
-import secrets
-import stat
-import time
 
 import torch
 
 from specray.comm.group import TorchGroup
+from specray.comm.shm import SHM_DIR, SegmentUnavailable, share_segment
+from specray.comm.spin import ALLREDUCE_WAIT, PeerGone, is_alive, spin_until
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "specray-ar-"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLAG_STRIDE_BYTES = 64
-"""One cache line per rank's flag, so ranks publishing at once do not fight over a line."""
+"""One cache line per rank's flag (and its pid), so ranks publishing at once do not fight over a line."""
 MAX_GROUP_SIZE = 64
 HEADER_BYTES = FLAG_STRIDE_BYTES * MAX_GROUP_SIZE
 PAGE_BYTES = 4096
-YIELD_SECONDS = 1e-3
-"""A waiting rank first yields its core (sched_yield) for this long, then sleeps, doubling from
-MIN to MAX. sched_yield returns at once on an idle core, so this polls as fast as a spin does
-(world 2, 4 KB: ~13 us either way), but on a loaded machine it hands the core to the rank being
-waited for, where a spin of even 200 checks made the median call 20x slower (60-380 us)."""
-MIN_SLEEP_SECONDS, MAX_SLEEP_SECONDS = 1e-5, 2e-4
-"""Capped low: the ranks of a step do the same work, so a long wait is rare and is not idle time."""
 MAX_CACHED_SHAPES = 256
 
 
@@ -71,7 +59,7 @@ def is_supported_platform() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
-class OneShotUnavailable(RuntimeError):
+class OneShotUnavailable(SegmentUnavailable):
     """The segment could not be set up on every rank; the same error is raised on all of them."""
 
 
@@ -94,13 +82,17 @@ class OneShotAllReduce:
         self.timeout_s = timeout_s
         self.slot_bytes = -(-slot_bytes // PAGE_BYTES) * PAGE_BYTES
         self.num_calls = 0
-        self.path, self._map = "", None
+        self._map = None
         self._failure: str | None = None
         size = HEADER_BYTES + 2 * group.size * self.slot_bytes
-        prefix = f"specray-{job_id}-ar-" if job_id else NAME_PREFIX
-        self.path, self._map = _map_shared_segment(group, size, prefix)
+        try:
+            name, self._map = share_segment(group, size, job_id, "ar", needs_map=True)
+        except SegmentUnavailable as e:
+            raise OneShotUnavailable(str(e)) from None
+        self.path = os.path.join(SHM_DIR, name)  # unlinked already; names the segment in messages and tests
         self._flags = memoryview(self._map).cast("B")[:HEADER_BYTES].cast("q")
         self._flag_index = [r * FLAG_STRIDE_BYTES // 8 for r in range(group.size)]
+        self._flags[self._flag_index[self.me] + 1] = os.getpid()  # the word after a flag: its rank's pid
         self._halves = {dtype: [self._half_view(half, dtype) for half in (0, 1)] for dtype in SUPPORTED_DTYPES}
         self._slot_views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
 
@@ -162,25 +154,24 @@ class OneShotAllReduce:
         return all(flags[i] >= n for i in self._flag_index)
 
     def _wait_for_all(self, n: int) -> None:
-        if self._arrived(n):
-            return
-        start = time.monotonic()
-        sleep_s = MIN_SLEEP_SECONDS
-        while not self._arrived(n):
-            waited = time.monotonic() - start
-            if waited > self.timeout_s:
-                self._fail(n)
-            if waited < YIELD_SECONDS:
-                os.sched_yield()
-            else:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, MAX_SLEEP_SECONDS)
+        spin_until(lambda: self._arrived(n), ALLREDUCE_WAIT, self.timeout_s, lambda: self._check_peers(n),
+                   lambda waited: self._fail(n, f" within timeout_s={self.timeout_s} (dead, stuck, or calling "
+                                                f"collectives in another order)", TimeoutError))
 
-    def _fail(self, n: int) -> None:
-        missing = [self.ranks[r] for r, i in enumerate(self._flag_index) if self._flags[i] < n]
-        self._failure = (f"ranks {missing} did not arrive at one-shot all-reduce call {n} over ranks {self.ranks} "
-                         f"within timeout_s={self.timeout_s} (dead, stuck, or calling collectives in another order)")
-        raise TimeoutError(self._failure)
+    def _missing(self, n: int) -> list[int]:
+        """Group positions of the ranks that have not published call n."""
+        return [r for r, i in enumerate(self._flag_index) if self._flags[i] < n]
+
+    def _check_peers(self, n: int) -> None:
+        gone = [(self.ranks[r], pid) for r in self._missing(n) if (pid := self._flags[self._flag_index[r] + 1])
+                and not is_alive(pid)]
+        if gone:
+            raise self._fail(n, ": " + "; ".join(f"rank {rank} (pid {pid}) has exited" for rank, pid in gone), PeerGone)
+
+    def _fail(self, n: int, why: str, kind: type[Exception]) -> Exception:
+        missing = [self.ranks[r] for r in self._missing(n)]
+        self._failure = f"ranks {missing} did not arrive at one-shot all-reduce call {n} over ranks {self.ranks}{why}"
+        return kind(self._failure)
 
     def close(self) -> None:
         if self._map is None:
@@ -199,66 +190,3 @@ class OneShotAllReduce:
             self.close()
         except Exception:
             pass
-
-
-def _map_shared_segment(group: TorchGroup, size: int, prefix: str) -> tuple[str, mmap.mmap]:
-    """Create (group rank 0), open and map one segment on every rank, then unlink its name.
-
-    Every rank reports success or its error through the group, so all ranks return together
-    or all raise OneShotUnavailable together; the creator unlinks in every case.
-    """
-    path, error = "", None
-    if group.rank_in_group == 0:
-        path = os.path.join(SHM_DIR, f"{prefix}{os.getpid()}-{secrets.token_hex(12)}")
-        try:
-            _create(path, size)
-        except OSError as e:
-            error = f"cannot create {path} ({size} bytes): {e}"
-    path, error = group.broadcast_object((path, error))
-    segment = None
-    try:
-        if error is None:
-            try:
-                segment = _open_and_map(path, size)
-            except OSError as e:
-                error = f"rank {group.ranks[group.rank_in_group]} cannot map {path}: {e}"
-        errors = [e for e in group.all_gather_object(error) if e is not None]
-    finally:
-        if group.rank_in_group == 0 and path:
-            _unlink_quietly(path)
-    if errors:
-        if segment is not None:
-            segment.close()
-        raise OneShotUnavailable("; ".join(dict.fromkeys(errors)))
-    return path, segment
-
-
-def _create(path: str, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.close(fd)
-        _unlink_quietly(path)
-        raise
-    os.close(fd)
-
-
-def _open_and_map(path: str, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        st = os.fstat(fd)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.getuid() or mode != 0o600 or st.st_size != size:
-            raise PermissionError(f"segment has uid {st.st_uid}, mode {mode:o}, {st.st_size} bytes; "
-                                  f"expected uid {os.getuid()}, mode 600, {size} bytes")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
 from specray.executor import spec_metrics
-from specray.executor.plan import CallEnd, StepPlan
+from specray.workers.plan import CallEnd, StepPlan
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.text import ChatPrompt, Prompt, RequestText, encode_prompt, engine_tokenizer
 from specray.kv.allocator import BlockAllocator

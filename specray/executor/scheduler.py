@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specray.config import SamplingParams
-from specray.executor.plan import StepPlan
+from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator, blocks_needed
 
 

@@ -24,10 +24,25 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_budget_bytes(memory_fraction: float, kv: KVConfig, device: torch.device) -> int:
-    """The KV memory this rank offers: a fraction of what is free (capped on CPU)."""
-    budget = int(available_memory_bytes(device) * memory_fraction)
-    return min(budget, kv.cpu_max_bytes) if device.type == "cpu" else budget
+def kv_budget_bytes(*, available_bytes: int, memory_fraction: float, num_ranks_sharing: int,
+                    cap_bytes: int | None) -> int:
+    """The KV memory one rank offers: ``memory_fraction`` of the memory free to it, split evenly
+    between the ranks that draw on that same memory, then capped at ``cap_bytes`` (None: no cap).
+
+    CPU ranks on one host share its RAM, so each takes 1/num_ranks_sharing of the fraction and
+    together they stay within it; a GPU rank owns its device (num_ranks_sharing = 1, no cap)."""
+    if num_ranks_sharing < 1:
+        raise ValueError(f"num_ranks_sharing ({num_ranks_sharing}) must be >= 1")
+    budget = int(available_bytes * memory_fraction) // num_ranks_sharing
+    return budget if cap_bytes is None else min(budget, cap_bytes)
+
+
+def rank_kv_budget_bytes(memory_fraction: float, kv: KVConfig, device: torch.device, num_ranks_on_host: int) -> int:
+    """``kv_budget_bytes`` for this rank, from the memory free now on its device or host."""
+    is_cpu = device.type == "cpu"
+    return kv_budget_bytes(available_bytes=available_memory_bytes(device), memory_fraction=memory_fraction,
+                           num_ranks_sharing=num_ranks_on_host if is_cpu else 1,
+                           cap_bytes=kv.cpu_max_bytes if is_cpu else None)
 
 
 def _geometry(layout: KVLayout, page: int, capacity: int, dtype: str) -> PoolGeometry:

@@ -57,9 +57,9 @@ def _error_reports(conns) -> dict[int, str]:
     for rank, conn in enumerate(conns):
         try:
             while conn.poll():
-                message = conn.recv()
-                if message[0] == "error":
-                    errors.setdefault(rank, f"{message[1]}: {message[2]}")
+                reply = conn.recv()
+                if reply.is_error:
+                    errors.setdefault(rank, reply.describe())
         except (EOFError, OSError):
             pass
     return errors

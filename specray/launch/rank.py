@@ -1,9 +1,11 @@
 """What every rank process runs, whoever launched it: join the groups, load the shards,
 agree the pools, open the control channel; then rank 0 serves calls and the others follow.
 
-The serving loop (rank 0 under mp and Ray) takes requests from the driver, one call at a
-time, and sends a heartbeat down the channel whenever it has waited ``timeout_s / 4`` for
-one, so followers waiting for a plan can tell an idle rank 0 from a dead one.
+``start_rank`` then ``run_rank`` is the whole life of a rank under mp and Ray alike; the
+launchers only supply how requests arrive and replies leave. The serving loop (rank 0)
+takes requests from the driver, one call at a time, and sends a heartbeat down the channel
+whenever it has waited ``timeout_s / 4`` for one, so followers waiting for a plan can tell
+an idle rank 0 from a dead one.
 """
 
 from __future__ import annotations
@@ -65,37 +67,88 @@ def share_cpu_threads(num_local_ranks: int) -> None:
     torch.set_num_threads(max(1, cores // num_local_ranks))
 
 
-def error_reply(exc: BaseException, is_fatal: bool) -> tuple:
-    """An error as plain data: exception objects from torch may not unpickle elsewhere."""
-    return ("error", type(exc).__name__, str(exc), is_fatal)
+@dataclass(frozen=True, slots=True)
+class RankRequest:
+    """What the driver sends rank 0: ``generate`` (prompts and their params) or ``close``."""
+
+    kind: str
+    prompts: list | None = None
+    params: list | None = None
 
 
-def serve(engine: EngineCore, next_request: Callable[[float], tuple | None], reply: Callable[[tuple], None],
-          heartbeat_s: float) -> None:
-    """Rank 0's loop: ("generate", prompts, params) -> ("ok", outputs) or an error reply;
-    ("close",) or a fatal error ends it. ``next_request(t)`` returns None after t idle seconds."""
+CLOSE = RankRequest("close")
+
+
+@dataclass(frozen=True, slots=True)
+class RankReply:
+    """What a rank sends the driver: ``ready`` (start-up done: geometry and pid), ``ok`` (a
+    call's outputs) or ``error``. Errors travel as plain data (type name and message):
+    exception objects from torch may not unpickle elsewhere."""
+
+    kind: str
+    geometry: dict | None = None
+    pid: int | None = None
+    outputs: list | None = None
+    error_type: str = ""
+    message: str = ""
+    is_fatal: bool = False
+    """A fatal error broke the job; a non-fatal one (bad input) rejected only the call."""
+
+    @classmethod
+    def error(cls, exc: BaseException, is_fatal: bool) -> RankReply:
+        return cls("error", error_type=type(exc).__name__, message=str(exc), is_fatal=is_fatal)
+
+    @property
+    def is_error(self) -> bool:
+        return self.kind == "error"
+
+    def describe(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+    def checked(self, rank: int, fail: Callable[[str], Exception]) -> RankReply:
+        """This reply if it is no error. Rank 0's non-fatal error (bad input rejected before any
+        step) is raised as it is (a ValueError stays one) and the job goes on; any other error
+        is raised as ``fail(detail)``, which stops the job (mp and Ray drivers alike)."""
+        if not self.is_error:
+            return self
+        if not self.is_fatal and rank == 0:
+            if self.error_type == "ValueError":
+                raise ValueError(self.message)
+            raise RuntimeError(f"rank {rank} failed: {self.describe()}")
+        raise fail(f"rank {rank} reported {self.describe()}")
+
+
+def serve(engine: EngineCore, next_request: Callable[[float], RankRequest | None],
+          reply: Callable[[RankReply], None], heartbeat_s: float) -> None:
+    """Rank 0's loop: a ``generate`` request -> RankReply "ok" or "error"; ``close`` or a fatal
+    error ends it. ``next_request(t)`` returns None after t idle seconds."""
     while True:
         request = next_request(heartbeat_s)
         if request is None:
             if engine.channel is not None:
                 engine.channel.heartbeat()
             continue
-        if request[0] == "close":
+        if request.kind == "close":
             return
         try:
-            reply(("ok", engine.generate(*request[1:])))
+            reply(RankReply("ok", outputs=engine.generate(request.prompts, request.params)))
         except Exception as e:
-            reply(error_reply(e, engine.is_broken))
+            reply(RankReply.error(e, engine.is_broken))
             if engine.is_broken:
                 raise
 
 
-def run_follower(session: RankSession) -> None:
-    follow(session.worker, session.channel, session.ctx.timeout_s)
-
-
-def exception_from_reply(reply: tuple, rank: int = 0) -> Exception:
-    _, kind, message, _ = reply
-    if kind == "ValueError":
-        return ValueError(message)
-    return RuntimeError(f"rank {rank} failed: {kind}: {message}")
+def run_rank(session: RankSession, config: EngineConfig, next_request: Callable[[float], RankRequest | None],
+             reply: Callable[[RankReply], None]) -> None:
+    """A started rank's life until its job ends, under any launcher that talks to rank 0 (mp,
+    Ray): rank 0 serves the driver's calls (``serve``), the others follow its plans. Closes
+    the session however it ends."""
+    try:
+        if session.ctx.rank == 0:
+            engine = EngineCore(config, session.worker, session.channel)
+            serve(engine, next_request, reply, config.parallel.timeout_s / 4)
+            engine.close()
+        else:
+            follow(session.worker, session.channel, session.ctx.timeout_s)
+    finally:
+        session.close()

@@ -27,7 +27,6 @@ from specray.comm.rendezvous import Rendezvous, new_job_id
 from specray.config import EngineConfig
 from specray.envs import forwarded_env
 from specray.launch.procs import RankFailure
-from specray.launch.rank import exception_from_reply
 from specray.launch.ray_placement import RankPlacement, actor_resources, place_ranks
 
 PING_FRACTION, UNRESPONSIVE_FRACTION, SETTLE_FRACTION = 1 / 8, 1 / 2, 1 / 8  # of failure_timeout_s
@@ -132,11 +131,7 @@ class RayEngine:
         if self._closed:
             raise RuntimeError("this LLM is closed")
         reply = self._watch(self._actors[0].submit.remote(prompts, params), "generate")
-        if reply[0] == "ok":
-            return reply[1]
-        if not reply[3]:
-            raise exception_from_reply(reply)
-        raise self._failure("generate", f"rank 0 reported {reply[1]}: {reply[2]}")
+        return reply.checked(0, lambda detail: self._failure("generate", detail)).outputs
 
     def _watch(self, call, what: str):
         """``call``'s value, while watching every rank (see the module doc for the bound)."""

@@ -18,8 +18,7 @@ import torch
 
 from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
-from specray.executor.engine import EngineCore
-from specray.launch.rank import run_follower, serve, start_rank
+from specray.launch.rank import CLOSE, RankReply, RankRequest, run_rank, start_rank
 from specray.launch.ray_placement import cuda_ordinal
 
 ACTOR_THREADS = 4  # run + submit + ping + health
@@ -61,18 +60,12 @@ class RankActor:
             torch.cuda.set_device(s.ctx.device)
         self.state = "serving" if self.rank == 0 else "following"
         try:
-            if self.rank == 0:
-                engine = EngineCore(self.config, s.worker, s.channel)
-                serve(engine, self._next_request, self._reply, self.config.parallel.timeout_s / 4)
-                engine.close()
-            else:
-                run_follower(s)
+            run_rank(s, self.config, self._next_request, self._reply)
             self.state = "stopped"
         except BaseException:
             self.state = "failed"
             raise
         finally:
-            s.close()
             self.session = None
 
     def _next_request(self, timeout_s: float):
@@ -82,16 +75,16 @@ class RankActor:
             return None
         return request
 
-    def _reply(self, message: tuple) -> None:
+    def _reply(self, message: RankReply) -> None:
         self._reply_box.put(message)
 
-    def submit(self, prompts, params) -> tuple:
+    def submit(self, prompts, params) -> RankReply:
         box: queue.Queue = queue.Queue(maxsize=1)
-        self._requests.put((("generate", prompts, params), box))
+        self._requests.put((RankRequest("generate", prompts, params), box))
         return box.get()  # bounded: if the loop dies, the driver sees it and kills this actor
 
     def stop(self) -> None:
-        self._requests.put((("close",), None))
+        self._requests.put((CLOSE, None))
 
     def ping(self) -> int:
         return self.rank

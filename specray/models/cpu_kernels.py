@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from specray.envs import cache_root
 from specray.errors import SpecrayError
-from specray.models.presets import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,13 @@ import torch
 from safetensors import safe_open
 
 from specray.models.arch import ModelArch, arch_from_hf_config
+from specray.models.checkpoint_writer import random_weights, write_checkpoint
 
 DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "mtp": "mtp"}
 HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3, "dspark": 4}  # distinct weights per head kind
 PRESET_FORMAT_TAG = "-published"  # cached drafter presets written before the published formats are not reused
+HEAD_ARCHITECTURES = {"mtp": "SpecrayMTPDrafter"}
+"""The ``architectures`` entry of specray's own head format (mtp), checked on load."""
 
 
 def feature_layer_ids(num_layers: int) -> list[int]:
@@ -182,8 +185,6 @@ def head_config(method: str, target: ModelArch) -> dict:
         return dflash_config(target)
     if method == "dspark":
         return dspark_config(target)
-    from specray.models.drafters import HEAD_ARCHITECTURES
-
     return dict(_layer_sizes(target), architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",
                 num_hidden_layers=1)
 
@@ -198,11 +199,9 @@ def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dic
     return {name: t for name, t in weights.items() if kept(name)}
 
 
-def drafter_preset(target_name: str, method: str, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, weights) of the drafter preset for a target preset."""
-    from specray.models.presets import PRESETS, random_weights
-
-    target_cfg = PRESETS[target_name]
+def drafter_preset(target_cfg: dict, target_name: str, method: str,
+                   seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, weights) of the drafter preset for the target preset ``target_name`` (config ``target_cfg``)."""
     if method == "draft_model":
         return dict(target_cfg, num_hidden_layers=1), early_exit_weights(random_weights(target_cfg, seed), 1)
     cfg = head_config(method, arch_from_hf_config(target_cfg, source=target_name))
@@ -212,8 +211,6 @@ def drafter_preset(target_name: str, method: str, seed: int) -> tuple[dict, dict
 def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path, seed: int = 0) -> Path:
     """Write a drafter checkpoint matching any target checkpoint directory (tests, custom
     targets): draft_model = the target's early-exit copy, heads = seeded random weights."""
-    from specray.models.presets import write_checkpoint
-
     target_dir, directory = Path(target_dir), Path(directory)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     if method == "draft_model":

@@ -9,16 +9,15 @@ into place, so concurrent ranks or jobs never see a half-written preset.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
+from specray.envs import cache_root
 from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
+from specray.models.checkpoint_writer import random_weights, write_checkpoint
+from specray.models.drafter_presets import DRAFTER_SUFFIXES, PRESET_FORMAT_TAG, drafter_preset
 
 BYTE_VOCAB = 320  # 256 bytes, BOS 256, EOS 257, padding up to a multiple of 64 for TP
 _TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -39,66 +38,15 @@ PRESETS: dict[str, dict] = {
 
 def drafter_preset_name(target: str, method: str) -> str:
     """The drafter preset matching a target preset (drafter_presets.py builds them)."""
-    from specray.models.drafter_presets import DRAFTER_SUFFIXES
-
     return f"{target}-{DRAFTER_SUFFIXES[method]}"
 
 
 def _drafter_presets() -> dict[str, tuple[str, str]]:
-    from specray.models.drafter_presets import DRAFTER_SUFFIXES
-
     return {drafter_preset_name(t, m): (t, m) for t in PRESETS for m in DRAFTER_SUFFIXES}
 
 
 def is_preset(name: str) -> bool:
     return name in PRESETS or name in _drafter_presets()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECRAY_CACHE", Path.home() / ".cache" / "specray"))
-
-
-def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors in Hugging Face names: N(0, 0.02) matrices, unit norms."""
-    gen = torch.Generator().manual_seed(seed)
-    h, v, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h)}
-    if not cfg.get("tie_word_embeddings"):
-        w["lm_head.weight"] = normal(v, h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        w[f"{p}.input_layernorm.weight"] = torch.ones(h)
-        w[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
-        w[f"{p}.self_attn.q_proj.weight"] = normal(nh * hd, h)
-        w[f"{p}.self_attn.k_proj.weight"] = normal(nkv * hd, h)
-        w[f"{p}.self_attn.v_proj.weight"] = normal(nkv * hd, h)
-        w[f"{p}.self_attn.o_proj.weight"] = normal(h, nh * hd)
-        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
-            w[f"{p}.self_attn.q_norm.weight"] = torch.ones(hd)
-            w[f"{p}.self_attn.k_norm.weight"] = torch.ones(hd)
-        if cfg.get("num_experts"):
-            e_inter = cfg["moe_intermediate_size"]
-            w[f"{p}.mlp.gate.weight"] = normal(cfg["num_experts"], h)
-            for e in range(cfg["num_experts"]):
-                w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = normal(e_inter, h)
-                w[f"{p}.mlp.experts.{e}.up_proj.weight"] = normal(e_inter, h)
-                w[f"{p}.mlp.experts.{e}.down_proj.weight"] = normal(h, e_inter)
-        else:
-            w[f"{p}.mlp.gate_proj.weight"] = normal(inter, h)
-            w[f"{p}.mlp.up_proj.weight"] = normal(inter, h)
-            w[f"{p}.mlp.down_proj.weight"] = normal(h, inter)
-    return w
-
-
-def write_checkpoint(directory: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="float32"), indent=2))
-    save_file({k: t.contiguous() for k, t in weights.items()}, str(directory / "model.safetensors"))
 
 
 def materialize(name: str, seed: int = 0) -> Path:
@@ -108,8 +56,6 @@ def materialize(name: str, seed: int = 0) -> Path:
                          f"{sorted(_drafter_presets())}")
     target = cache_root() / "presets" / f"{name}-seed{seed}"
     if name not in PRESETS:  # drafter presets carry their format's version: old caches are not reused
-        from specray.models.drafter_presets import PRESET_FORMAT_TAG
-
         target = target.with_name(target.name + PRESET_FORMAT_TAG)
     if (target / "model.safetensors").is_file():
         return target
@@ -119,9 +65,8 @@ def materialize(name: str, seed: int = 0) -> Path:
         if name in PRESETS:
             cfg, weights = PRESETS[name], random_weights(PRESETS[name], seed)
         else:
-            from specray.models.drafter_presets import drafter_preset
-
-            cfg, weights = drafter_preset(*_drafter_presets()[name], seed)
+            target_name, method = _drafter_presets()[name]
+            cfg, weights = drafter_preset(PRESETS[target_name], target_name, method, seed)
         write_checkpoint(tmp, cfg, weights)
         try:
             os.rename(tmp, target)

@@ -7,7 +7,7 @@ so its collectives meet rank 0's. Heartbeats (empty messages) only prove rank 0 
 from __future__ import annotations
 
 from specray.comm.channel import HEARTBEAT, PlanReceiver
-from specray.executor.plan import CallEnd, StepPlan
+from specray.workers.plan import CallEnd, StepPlan
 from specray.workers.worker import RankWorker
 
 

@@ -16,12 +16,12 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
-from specray.executor.plan import StepPlan
-from specray.executor.sampling import sample_rows
-from specray.executor.spec_step import SpecRunner
+from specray.workers.plan import StepPlan
+from specray.workers.sampling import sample_rows
+from specray.workers.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
-from specray.kv.budget import kv_budget_bytes
+from specray.kv.budget import rank_kv_budget_bytes
 from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch
 from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
@@ -93,8 +93,8 @@ class RankWorker:
                                  f"per rank to share the target pool, which has {layout.num_kv_heads} of "
                                  f"{layout.head_dim}")
             layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
-        return RankReport(rank=ctx.rank, node=socket.gethostname(),
-                          budget_bytes=kv_budget_bytes(fraction, cfg.kv, ctx.device), target_layout=layout,
+        budget = rank_kv_budget_bytes(fraction, cfg.kv, ctx.device, ctx.num_ranks_on_host)
+        return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
                           target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
 

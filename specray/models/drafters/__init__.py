@@ -28,9 +28,9 @@ from specray.config import EngineConfig
 from specray.errors import require_keys
 from specray.models.arch import arch_from_hf_config
 from specray.models.loader import CheckpointReader
+from specray.models.drafter_presets import HEAD_ARCHITECTURES
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
 
-HEAD_ARCHITECTURES = {"mtp": "SpecrayMTPDrafter"}
 # The keys each head's config.json must have beyond the layer sizes, and what each is for.
 HEAD_KEYS = {"mtp": {}}
 

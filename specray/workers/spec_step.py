@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from specray.executor.plan import StepPlan
-from specray.executor.sampling import probabilities, sample
-from specray.executor.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
+from specray.workers.plan import StepPlan
+from specray.workers.sampling import probabilities, sample
+from specray.workers.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
 from specray.models.attention import build_metadata
 from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq
 
