@@ -61,7 +61,8 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
     if spec.method in ("eagle3", "dflash", "dspark"):
         from specray.models.drafters.published import load_published_drafter
 
-        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target)
+        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target,
+                                      spec.dspark_confidence_threshold)
     from specray.models.drafters.mtp import load_mtp_drafter
 
     return load_mtp_drafter(path, spec.num_draft_tokens, ctx, config.dtype, target)
