@@ -66,7 +66,7 @@ class MTPModule(nn.Module):
         self.fmt, self.i = fmt, i
         self.is_deepseek = fmt.layout == DEEPSEEK_V3
         norm = RMSNorm if self.is_deepseek else ZeroCentredRMSNorm
-        self.enorm, self.hnorm, self.out_norm = norm(h, eps, dtype, dev), norm(h, eps, dtype, dev), norm(h, eps, dtype, dev)
+        self.enorm, self.hnorm, self.out_norm = (norm(h, eps, dtype, dev) for _ in range(3))
         self.proj = ReplicatedLinear(2 * h, h, dtype, dev)
         index = fmt.arch.num_layers + i  # the block's layer index, which decides dense or MoE
         block_arch = dataclasses.replace(a, moe_layers=(index,) if fmt.is_moe[i] else ())

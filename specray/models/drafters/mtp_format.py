@@ -1,10 +1,14 @@
 """Where a target checkpoint keeps its multi-token-prediction (MTP) modules, and the names
 and shapes of their tensors. Two published layouts are read:
 
-| layout        | config.json                   | module i (of n)                                         | shared by all modules |
-|---------------|-------------------------------|---------------------------------------------------------|-----------------------|
-| DeepSeek-V3   | ``num_nextn_predict_layers`` n | ``model.layers.{L}.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head}`` and the decoder block ``model.layers.{L}.*``, L = num_hidden_layers + i | the target's embedding |
-| Qwen3-Next    | ``mtp_num_hidden_layers`` n    | the decoder block ``mtp.layers.{i}.*``                  | ``mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}`` (zero-centred norms ``x * (1 + w)``), the target's embedding and LM head |
+- DeepSeek-V3: config ``num_nextn_predict_layers`` = n; module i has its own
+  ``model.layers.{L}.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head}`` and the
+  decoder block ``model.layers.{L}.*``, L = num_hidden_layers + i; the embedding is the
+  target's.
+- Qwen3-Next: config ``mtp_num_hidden_layers`` = n; module i is the decoder block
+  ``mtp.layers.{i}.*``; every module shares ``mtp.{pre_fc_norm_embedding,
+  pre_fc_norm_hidden, fc, norm}`` (zero-centred norms, ``x * (1 + w)``) and the target's
+  embedding and LM head.
 
 The decoder block is the target family's (Llama, Qwen3: q/k norms; MoE when the block has a
 router, ``{mlp prefix}.gate.weight``, as DeepSeek-V3's and Qwen3-Next's MTP blocks do).
