@@ -16,26 +16,36 @@ import time
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 
 
-def measure(model: str, k: int, batch: int, threshold: float | None, repeats: int) -> dict:
-    spec = SpecConfig(method="dspark", num_draft_tokens=k, dspark_confidence_threshold=threshold)
-    prompts = [list(range(3 + i, 40 + i)) for i in range(batch)]
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    with LLM(EngineConfig(model=model, kv=KVConfig(capacity_tokens=8192), spec=spec)) as llm:
-        llm.generate(prompts, params)  # warm-up
-        times, outs = [], None
-        for _ in range(repeats):
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            times.append(time.perf_counter() - start)
+def _summary(outs, times: list[float], batch: int) -> dict:
     seq_steps = sum(o.metrics["num_decode_steps"] for o in outs)  # with drafts or without
     steps = max(o.metrics["num_decode_steps"] for o in outs)  # the batch's decode steps (requests run together)
-    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
-    tokens = sum(len(o.token_ids) for o in outs)
     wall = statistics.median(times)
-    return dict(threshold=threshold, drafts_per_step=drafted / seq_steps,
+    return dict(drafts_per_step=sum(o.metrics["num_draft_tokens"] for o in outs) / seq_steps,
                 al=statistics.mean(o.metrics["acceptance_length"] for o in outs),
                 per_step=statistics.mean(o.metrics["tokens_per_decode_step"] for o in outs),
-                step_ms=1000 * wall / steps, tok_s=tokens / wall)
+                step_ms=1000 * wall / steps, tok_s=sum(len(o.token_ids) for o in outs) / wall)
+
+
+def measure(model: str, k: int, batch: int, thresholds: list, repeats: int, max_tokens: int) -> dict:
+    """Every threshold's engine is built first and the runs interleave (round-robin, median
+    of ``repeats``), so load that drifts during the measurement hits every setting alike."""
+    prompts = [list(range(3 + i, 40 + i)) for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llms = {t: LLM(EngineConfig(model=model, kv=KVConfig(capacity_tokens=8192),
+                                spec=SpecConfig(method="dspark", num_draft_tokens=k, dspark_confidence_threshold=t)))
+            for t in thresholds}
+    try:
+        outs = {t: llm.generate(prompts, params) for t, llm in llms.items()}  # warm-up
+        times: dict = {t: [] for t in thresholds}
+        for _ in range(repeats):
+            for t, llm in llms.items():
+                start = time.perf_counter()
+                outs[t] = llm.generate(prompts, params)
+                times[t].append(time.perf_counter() - start)
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return {t: _summary(outs[t], times[t], batch) for t in thresholds}
 
 
 def main() -> None:
@@ -44,14 +54,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.1, 0.02])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     print("| batch | threshold | drafts / seq-step | AL | tokens / decode step | ms / step | tok/s |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        for threshold in [None, *args.thresholds]:
-            r = measure(args.model, args.k, batch, threshold, args.repeats)
-            print(f"| {batch} | {r['threshold'] or 'off'} | {r['drafts_per_step']:.2f} | {r['al']:.2f} | {r['per_step']:.2f} | "
+        results = measure(args.model, args.k, batch, [None, *args.thresholds], args.repeats, args.max_tokens)
+        for threshold, r in results.items():
+            print(f"| {batch} | {threshold or 'off'} | {r['drafts_per_step']:.2f} | {r['al']:.2f} | {r['per_step']:.2f} | "
                   f"{r['step_ms']:.1f} | {r['tok_s']:.0f} |")
 
 

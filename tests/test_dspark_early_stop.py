@@ -9,13 +9,15 @@ every prediction sigmoid(0) = 0.5, so the products are 0.5, 0.25, 0.125, ...; wi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from checkpoints import make_checkpoint
 from drafter_checkpoints import empty_pools, load, propose, write_dspark
 from safetensors.torch import load_file, save_file
 
-from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30)]  # prompt + 40 tokens crosses 32/64-token pages
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -34,11 +36,14 @@ def ckpt(tmp_path_factory):
     return target, drafter
 
 
-def engine(ckpt, method="dspark", threshold=None, page=32) -> EngineConfig:
+def engine(ckpt, method="dspark", threshold=None, page=32, tp=1) -> EngineConfig:
     target, drafter = ckpt
     spec = SpecConfig(method=method, draft_model=str(drafter) if method else None, num_draft_tokens=K,
                       dspark_confidence_threshold=threshold)
-    return EngineConfig(model=str(target), kv=KVConfig(tokens_per_block=page, capacity_tokens=4096), spec=spec)
+    parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", check_every_step=tp > 1,
+                              timeout_s=60.0)
+    return EngineConfig(model=str(target), kv=KVConfig(tokens_per_block=page, capacity_tokens=4096), spec=spec,
+                        parallel=parallel)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +60,11 @@ def _run(config):
     return [o.token_ids for o in outs], drafted, steps
 
 
-@pytest.mark.parametrize("page", [32, 64])
-def test_early_stop_is_lossless_and_proposes_up_to_the_known_stop(ckpt, plain, page):
-    tokens, drafted, steps = _run(engine(ckpt, threshold=0.2, page=page))
+@pytest.mark.parametrize("page, tp", [(32, 1), (64, 1), (32, 2)])
+def test_early_stop_is_lossless_and_proposes_up_to_the_known_stop(ckpt, plain, page, tp):
+    """At TP 2 every rank must stop at the same draft (checked every step): the confidence
+    head reads block outputs and a Markov embedding that every rank holds bitwise equal."""
+    tokens, drafted, steps = _run(engine(ckpt, threshold=0.2, page=page, tp=tp))
     assert tokens == plain
     assert steps > 0 and drafted == 2 * steps  # 0.5 * 0.5 = 0.25 >= 0.2 > 0.125: drafts 0 and 1
 
@@ -112,7 +119,8 @@ def _batch(drafter, tokens, features):
 
 
 @pytest.mark.parametrize("spec, error", [
-    (dict(method="dspark", dspark_confidence_threshold=1.0), r"dspark_confidence_threshold \(1.0\) must be in \(0, 1\)"),
+    (dict(method="dspark", dspark_confidence_threshold=1.0),
+     r"dspark_confidence_threshold \(1.0\) must be in \(0, 1\)"),
     (dict(method="dspark", dspark_confidence_threshold=0.0), r"must be in \(0, 1\)"),
     (dict(method="dflash", dspark_confidence_threshold=0.5), r"applies to spec method 'dspark' only, not 'dflash'"),
 ])
@@ -124,8 +132,6 @@ def test_bad_thresholds_are_rejected(spec, error):
 def test_a_checkpoint_without_a_confidence_head_is_rejected(ckpt, tmp_path):
     target, _ = ckpt
     drafter = write_dspark(tmp_path / "noconf", target)
-    import json
-
     cfg = json.loads((drafter / "config.json").read_text())
     (drafter / "config.json").write_text(json.dumps(dict(cfg, enable_confidence_head=False)))
     w = load_file(drafter / "model.safetensors")
