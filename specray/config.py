@@ -156,6 +156,12 @@ class SpecConfig:
     """ngram: the longest n-gram to match; longer matches are tried first. Unset: prompt_lookup_min
     if that is set, else 5 (vLLM's default)."""
 
+    dspark_confidence_threshold: float | None = None
+    """dspark: stop a sequence's drafts early where its confidence head predicts they would be
+    rejected: draft j is proposed only while the product of the predicted acceptance
+    probabilities of drafts 0..j stays >= this threshold (in (0, 1)). None (the default):
+    always k drafts."""
+
     def __post_init__(self) -> None:
         _require(self.method is None or self.method in SPEC_METHODS,
                  f"spec method {self.method!r} must be one of {SPEC_METHODS} or None")
@@ -165,6 +171,11 @@ class SpecConfig:
         _require(f is None or 1.0 <= f <= k + 1,
                  f"force_accepted_tokens ({f}) must be within [1, num_draft_tokens + 1 = {k + 1}]")
         self._resolve_prompt_lookup()
+        c = self.dspark_confidence_threshold
+        _require(c is None or self.method == "dspark", f"dspark_confidence_threshold ({c}) applies to spec method "
+                 f"'dspark' only, not {self.method!r}: leave it unset")
+        _require(c is None or (isinstance(c, (int, float)) and 0.0 < c < 1.0),
+                 f"dspark_confidence_threshold ({c}) must be in (0, 1), or None to always draft k tokens")
 
     def _resolve_prompt_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

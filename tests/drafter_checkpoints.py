@@ -32,7 +32,7 @@ def speculators_module(name: str):
             pytest.fail("speculators is not installed: `make venv` installs TEST_REFERENCES")
         root = Path(spec.submodule_search_locations[0])
     for pkg in ("speculators", "speculators.models", "speculators.models.eagle3", "speculators.models.dflash",
-                "speculators.models.dspark"):
+                "speculators.models.dspark", "speculators.models.mtp"):
         if pkg not in sys.modules:
             module = types.ModuleType(pkg)
             module.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]

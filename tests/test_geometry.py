@@ -130,7 +130,8 @@ def test_llm_geometry_single_rank():
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 @pytest.mark.parametrize("target_page", [64, 128])
 def test_one_model_drafter_layers_live_in_the_target_pool(method, target_page):
-    config = EngineConfig(model="tiny-llama", kv=KVConfig(tokens_per_block=target_page, capacity_tokens=1024),
+    model = "tiny-llama-mtp" if method == "mtp" else "tiny-llama"  # mtp: the target with its own MTP module
+    config = EngineConfig(model=model, kv=KVConfig(tokens_per_block=target_page, capacity_tokens=1024),
                           spec=SpecConfig(method=method, num_draft_tokens=3))
     with LLM(config) as llm:
         geometry = llm.geometry

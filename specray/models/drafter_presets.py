@@ -14,7 +14,12 @@ Written as real checkpoint directories by ``presets.materialize`` like the targe
   architecture: ``-eagle3`` in EAGLE-3's published format as SpecForge writes it
   (``LlamaForCausalLMEagle3``, ``midlayer.*``; ``eagle3_config(layout="speculators")`` gives
   speculators' ``Eagle3Speculator`` layout), ``-dflash`` as z-lab writes it
-  (``DFlashDraftModel``), ``-mtp`` in the format hidden_state.py documents.
+  (``DFlashDraftModel``).
+- ``<target>-mtp``: not a separate drafter but the target itself with MTP modules, as
+  DeepSeek-V3 ships them (``num_nextn_predict_layers``, ``model.layers.{L}.*``; mtp_format.py):
+  the target preset's config and weights plus one module of seeded random weights whose
+  ``shared_head.head`` is a copy of the target's LM head. Loaded as a target it decodes
+  exactly as the target preset; ``--spec mtp`` reads its modules.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from specray.models.checkpoint_writer import random_weights, write_checkpoint
 
 DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "mtp": "mtp"}
 HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3, "dspark": 4}  # distinct weights per head kind
-PRESET_FORMAT_TAG = "-published"  # cached drafter presets written before the published formats are not reused
-HEAD_ARCHITECTURES = {"mtp": "SpecrayMTPDrafter"}
-"""The ``architectures`` entry of specray's own head format (mtp), checked on load."""
+# cached drafter presets written before the published formats (and, "2", before -mtp became the
+# target with its own MTP modules) are not reused
+PRESET_FORMAT_TAG = "-published2"
 
 
 def feature_layer_ids(num_layers: int) -> list[int]:
@@ -152,10 +157,7 @@ def head_weights(method: str, cfg: dict, seed: int, with_embed: bool = False) ->
         if with_embed:
             w["embed_tokens.weight"] = normal(vocab, h)
         return w
-    w = {"norm.weight": torch.ones(h), "enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h),
-         "eh_proj.weight": normal(h, 2 * h)}
-    w.update(_layer_weights("layers.0", cfg, h, False, normal, lambda n: torch.ones(n)))
-    return w
+    raise ValueError(f"no head weights for method {method!r}")
 
 
 def _dspark_weights(cfg: dict, gen, normal, norm) -> dict[str, torch.Tensor]:
@@ -185,8 +187,36 @@ def head_config(method: str, target: ModelArch) -> dict:
         return dflash_config(target)
     if method == "dspark":
         return dspark_config(target)
-    return dict(_layer_sizes(target), architectures=[HEAD_ARCHITECTURES[method]], model_type=f"specray_{method}",
-                num_hidden_layers=1)
+    raise ValueError(f"no head config for method {method!r} (mtp: see mtp_checkpoint)")
+
+
+def mtp_checkpoint(target_cfg: dict, target_weights: dict[str, torch.Tensor], seed: int, num_modules: int = 1,
+                   layout: str = "deepseek_v3") -> tuple[dict, dict[str, torch.Tensor]]:
+    """The target with ``num_modules`` MTP modules of seeded random weights, in DeepSeek-V3's
+    layout (``model.layers.{L}.*``) or Qwen3-Next's (``mtp.*``, zero-centred norms near 0)."""
+    n, h = target_cfg["num_hidden_layers"], target_cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed * 16 + HEAD_SEED_OFFSET["mtp"])
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    # decoder blocks of the target's family (dense or MoE), numbered after the target's layers
+    blocks = random_weights(dict(target_cfg, num_hidden_layers=n + num_modules), seed * 16 + HEAD_SEED_OFFSET["mtp"])
+    w = dict(target_weights)
+    head = target_weights.get("lm_head.weight", target_weights["model.embed_tokens.weight"])
+    for i in range(num_modules):
+        old = f"model.layers.{n + i}."
+        new = old if layout == "deepseek_v3" else f"mtp.layers.{i}."
+        w.update({new + name[len(old):]: t for name, t in blocks.items() if name.startswith(old)})
+        if layout == "deepseek_v3":
+            w.update({f"{old}enorm.weight": 1.0 + 5 * normal(h), f"{old}hnorm.weight": 1.0 + 5 * normal(h),
+                      f"{old}eh_proj.weight": normal(h, 2 * h), f"{old}shared_head.norm.weight": 1.0 + 5 * normal(h),
+                      f"{old}shared_head.head.weight": head.clone()})
+    if layout == "deepseek_v3":
+        return dict(target_cfg, num_nextn_predict_layers=num_modules), w
+    w.update({"mtp.pre_fc_norm_embedding.weight": 5 * normal(h), "mtp.pre_fc_norm_hidden.weight": 5 * normal(h),
+              "mtp.fc.weight": normal(h, 2 * h), "mtp.norm.weight": 5 * normal(h)})
+    return dict(target_cfg, mtp_num_hidden_layers=num_modules), w
 
 
 def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -202,22 +232,30 @@ def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dic
 def drafter_preset(target_cfg: dict, target_name: str, method: str,
                    seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, weights) of the drafter preset for the target preset ``target_name`` (config ``target_cfg``)."""
+    if method == "mtp":
+        return mtp_checkpoint(target_cfg, random_weights(target_cfg, seed), seed)
     if method == "draft_model":
         return dict(target_cfg, num_hidden_layers=1), early_exit_weights(random_weights(target_cfg, seed), 1)
     cfg = head_config(method, arch_from_hf_config(target_cfg, source=target_name))
     return cfg, head_weights(method, cfg, seed)
 
 
-def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path, seed: int = 0) -> Path:
+def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path, seed: int = 0,
+                      **options) -> Path:
     """Write a drafter checkpoint matching any target checkpoint directory (tests, custom
-    targets): draft_model = the target's early-exit copy, heads = seeded random weights."""
+    targets): draft_model = the target's early-exit copy, mtp = a copy of the target with one
+    MTP module (``options``: num_modules, layout), heads = seeded random weights."""
     target_dir, directory = Path(target_dir), Path(directory)
     target_cfg = json.loads((target_dir / "config.json").read_text())
-    if method == "draft_model":
-        weights = {}
+    weights = {}
+    if method in ("draft_model", "mtp"):
         for f in sorted(target_dir.glob("*.safetensors")):
             with safe_open(f, "pt") as handle:
                 weights.update({name: handle.get_tensor(name) for name in handle.keys()})
+    if method == "mtp":
+        write_checkpoint(directory, *mtp_checkpoint(target_cfg, weights, seed, **options))
+        return directory
+    if method == "draft_model":
         cfg = dict(target_cfg, num_hidden_layers=1)
         cfg.pop("layer_types", None)
         write_checkpoint(directory, cfg, early_exit_weights(weights, 1))

@@ -119,7 +119,8 @@ class SpecRunner:
             self.consumed[sid] = length + self.k - 1 if self.drafter.reuses_draft_kv else length - 1
             self.features[sid] = None
         drafts = {row: list(d[:self.k]) for row, d in zip(rows, proposed) if len(d)}
-        return drafts, {i: torch.stack(p) for i, p in probs.items() if i in drafts}
+        # a drafter that stopped a row early (dspark's confidence) chose more than it proposed
+        return drafts, {i: torch.stack(p)[:len(drafts[i])] for i, p in probs.items() if i in drafts}
 
     def _score(self, plan: StepPlan, inputs: list[list[int]],
                num_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,33 +6,25 @@
 | ``dflash``      | standalone | own pool, 32/64-token pages | k (one block)      | dflash.py         |
 | ``dspark``      | standalone | own pool, 32/64-token pages | k (one block)      | dspark.py         |
 | ``eagle3``      | one-model  | last layer of target pool  | 1 (autoregressive) | eagle3.py         |
-| ``mtp``         | one-model  | last layer of target pool  | 1 (autoregressive) | hidden_state.py   |
+| ``mtp``         | one-model  | last layer(s) of target pool | 1 (autoregressive) | mtp.py          |
 | ``ngram``       | pool-less  | none                       | 0..k (lookup)      | ngram.py          |
 
 ``SpecConfig.draft_model`` names the drafter's checkpoint directory or preset; None picks
-the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-dspark``, ``-eagle3``,
-``-mtp``). ``eagle3``, ``dflash`` and ``dspark`` read the published formats (published.py loads
-them; formats.py detects which from config.json and documents the aux-layer convention).
+the preset matching a preset target (``<target>-draft``, ``-dflash``, ``-dspark``, ``-eagle3``).
+``mtp`` reads the MTP modules inside the target checkpoint itself (mtp_format.py;
+draft_model may name a copy of the target that has them, such as the ``<target>-mtp``
+presets). ``eagle3``, ``dflash`` and ``dspark`` read the published formats (published.py
+loads them; formats.py detects which from config.json and documents the aux-layer convention).
 ``ngram`` has no checkpoint: it drafts from each sequence's own tokens.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig
-from specray.errors import require_keys
-from specray.models.arch import arch_from_hf_config
-from specray.models.loader import CheckpointReader
-from specray.models.drafter_presets import HEAD_ARCHITECTURES
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
-
-# The keys each head's config.json must have beyond the layer sizes, and what each is for.
-HEAD_KEYS = {"mtp": {}}
 
 
 def drafter_checkpoint(config: EngineConfig) -> Path:
@@ -46,25 +38,6 @@ def drafter_checkpoint(config: EngineConfig) -> Path:
     return resolve_model(drafter_preset_name(config.model, spec.method), config.seed)
 
 
-def _head_arch(cfg: dict, path: Path, method: str, target):
-    want = HEAD_ARCHITECTURES[method]
-    if cfg.get("architectures") != [want]:
-        raise ValueError(f"drafter checkpoint {str(path)!r} has architectures {cfg.get('architectures')}, "
-                         f"but spec method {method!r} needs [{want!r}]")
-    source = f"{method} drafter config {str(path / 'config.json')!r}"
-    require_keys(cfg, HEAD_KEYS[method], source)
-    arch = arch_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]), source=source)
-    t = target.arch
-    if arch.vocab_size != t.vocab_size or arch.hidden_size != t.hidden_size:
-        raise ValueError(f"drafter {str(path)!r} has vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}; "
-                         f"the target has {t.vocab_size}, {t.hidden_size}: they must be equal")
-    bad = [i for i in cfg.get("target_layer_ids", []) if not 0 <= i < t.num_layers]
-    if bad:
-        raise ValueError(f"drafter {str(path)!r}: target_layer_ids {bad} are outside the target's "
-                         f"{t.num_layers} layers")
-    return arch
-
-
 def build_drafter(config: EngineConfig, ctx: DistContext, target):
     """The drafter for ``config.spec.method`` on this rank, or None for plain decoding."""
     spec = config.spec
@@ -74,7 +47,13 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
         from specray.models.drafters.ngram import NgramDrafter
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    path = drafter_checkpoint(config)
+    if spec.method == "mtp":  # the target's own checkpoint, unless draft_model names a copy with MTP weights
+        from specray.models.drafters.mtp import mtp_checkpoint
+
+        draft = None if spec.draft_model is None else resolve_model(spec.draft_model, config.seed)
+        path = mtp_checkpoint(resolve_model(config.model, config.seed), draft)
+    else:
+        path = drafter_checkpoint(config)
     if spec.method == "draft_model":
         from specray.models.drafters.draft_model import DraftModelDrafter
 
@@ -82,15 +61,8 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
     if spec.method in ("eagle3", "dflash", "dspark"):
         from specray.models.drafters.published import load_published_drafter
 
-        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target)
-    cfg = json.loads((path / "config.json").read_text())
-    arch = _head_arch(cfg, path, spec.method, target)
-    dtype = getattr(torch, config.dtype)
-    from specray.models.drafters.common import FINAL_HIDDEN
-    from specray.models.drafters.hidden_state import HiddenStateDrafter
+        return load_published_drafter(spec.method, path, spec.num_draft_tokens, ctx, config.dtype, target,
+                                      spec.dspark_confidence_threshold)
+    from specray.models.drafters.mtp import load_mtp_drafter
 
-    drafter = HiddenStateDrafter(arch, target, ctx, dtype, (FINAL_HIDDEN,))
-    reader = CheckpointReader(path, dtype, ctx.device)
-    drafter.load(reader)
-    reader.close()
-    return drafter.eval()
+    return load_mtp_drafter(path, spec.num_draft_tokens, ctx, config.dtype, target)

@@ -10,8 +10,13 @@ Per step, on the block's normed outputs o_s (slot s at position L-1+s):
   ``lm_head(o) + W2(sigmoid(gate_proj([o; W1[prev]])) * W1[prev])`` ("gated"), where prev is
   the token before the drafted one: t_{L-1} for the first draft, then the previous draft, so
   drafts are chosen one after another from one forward; draft id i is target id i + d2t[i];
-- the confidence head predicts each draft's acceptance, sigmoid(proj([o; W1[prev]])).
-  (Stopping drafts early on it needs per-sequence draft lengths in the step: not done yet.)
+- the confidence head predicts each draft's acceptance, c_j = sigmoid(proj([o_j; W1[prev]])).
+  With ``SpecConfig.dspark_confidence_threshold`` τ (off by default), a sequence proposes
+  draft j only while c_0 * ... * c_j >= τ: the product is the predicted probability that
+  drafts 0..j are all accepted (speculators trains c_j on the acceptance rate 1 - d_TV of
+  each position), so drafting stops where a further draft is predicted not to be reached.
+  Sequences stop independently (per-sequence draft lengths; zero makes a plain decode row);
+  once every sequence has stopped, no further draft is computed.
 
 Without a draft vocabulary (draft_vocab_size = the target's) the head is the target's.
 
@@ -54,6 +59,8 @@ def _replicated(*shape: int, dtype, device) -> nn.Parameter:
 
 
 class DSparkDrafter(DFlashDrafter):
+    confidence_threshold: float | None = None  # set by the loader from SpecConfig: early stop when not None
+
     def __init__(self, fmt: DFlashFormat, target: CausalLM, ctx: DistContext, dtype: torch.dtype):
         super().__init__(fmt, target, ctx, dtype)
         h, r, dev, tp = fmt.arch.hidden_size, fmt.markov_rank, ctx.device, ctx.tp
@@ -102,15 +109,26 @@ class DSparkDrafter(DFlashDrafter):
         features = torch.cat([normed, self.markov_w1(prev)], dim=-1) if self.fmt.confidence_with_markov else normed
         return torch.sigmoid(F.linear(features, self.conf_weight, self.conf_bias)[:, 0])
 
-    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
+    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor | list[list[int]]:
         first = 0 if self.fmt.sample_from_anchor else 1
         normed = self.block_outputs(batch)[:, first:first + batch.k]  # [S, k, H]
         prev = torch.tensor([s.tokens[-1] for s in batch.seqs], device=batch.device)
+        threshold = self.confidence_threshold
+        reach = torch.ones(len(batch.seqs), device=batch.device)  # predicted P(every draft so far accepted)
+        lengths = torch.full((len(batch.seqs),), batch.k, device=batch.device)
         drafts = []
         for j in range(batch.k):
+            if threshold is not None:
+                reach = reach * self.confidence(prev, normed[:, j])
+                lengths = torch.where((reach < threshold) & (lengths == batch.k), j, lengths)
+                if bool((lengths <= j).all()):
+                    break  # every sequence has stopped: draft j and later are not computed
             logits = self.draft_logits(normed[:, j])
             if self.markov_w1 is not None:
                 logits = logits + self.markov_bias(prev, normed[:, j])
             prev = choose(to_target_vocab(logits, self.target_ids, self.fmt.arch.vocab_size), j)
             drafts.append(prev)
-        return torch.stack(drafts, dim=1)
+        if threshold is None:
+            return torch.stack(drafts, dim=1)
+        rows = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in batch.seqs]
+        return [row[:n] for row, n in zip(rows, lengths.tolist())]

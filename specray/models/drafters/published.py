@@ -30,8 +30,9 @@ def read_config(path: Path) -> dict:
 
 
 def load_published_drafter(method: str, path: Path, num_draft_tokens: int, ctx: DistContext, dtype: str,
-                           target: CausalLM):
-    """The ``eagle3``, ``dflash`` or ``dspark`` drafter of checkpoint ``path`` on this rank."""
+                           target: CausalLM, confidence_threshold: float | None = None):
+    """The ``eagle3``, ``dflash`` or ``dspark`` drafter of checkpoint ``path`` on this rank
+    (``confidence_threshold``: dspark's early stop, see dspark.py)."""
     cfg, source = read_config(path), str(path)
     found = detect_format(cfg, source)
     if FORMAT_METHODS[found] != method:
@@ -52,6 +53,11 @@ def load_published_drafter(method: str, path: Path, num_draft_tokens: int, ctx: 
                                  f"of {method} drafter {source!r}")
             # speculators' layouts may carry a draft vocabulary and heads: DSparkDrafter reads them all
             drafter = (DFlashDrafter if found == DFLASH else DSparkDrafter)(fmt, target, ctx, torch_dtype)
+            if confidence_threshold is not None:
+                if not fmt.has_confidence_head:
+                    raise ValueError(f"dspark_confidence_threshold ({confidence_threshold}) needs a confidence head, "
+                                     f"and drafter {source!r} has none (enable_confidence_head is false)")
+                drafter.confidence_threshold = confidence_threshold
         else:
             from specray.models.drafters.eagle3 import Eagle3Drafter
 

@@ -1,0 +1,174 @@
+"""``mtp``: the multi-token-prediction modules that ship inside the target checkpoint
+(DeepSeek-V3 and Qwen3-Next layouts, mtp_format.py), drafting for the target they belong to.
+
+One-model drafter: each module used keeps its KV as one extra layer of the target's pool,
+under the target's block tables. Draft position p pairs a hidden state for position p with
+the embedding of token p + 1 and predicts token p + 2 (embedding first in the concatenation,
+as DeepSeek-V3's, vLLM's, SGLang's and speculators' MTP layers concatenate):
+
+    x_p = proj([enorm(embed(t_{p+1})); hnorm(h_p)])     proj = eh_proj | mtp.fc; embed = the target's
+    g_p = block(x_p)                                    the target family's decoder block
+    DeepSeek-V3: logits = shared_head.head(shared_head.norm(g_p)); fed back: g_p
+    Qwen3-Next:  o_p = mtp.norm(g_p); logits = the target's lm_head(o_p); fed back: o_p
+
+h_p is the target's final hidden state (after its norm, as vLLM and SGLang pass it) for
+verified positions, and what the module fed back for draft positions. Draft j (0-based) uses
+module min(j, n - 1): k above the number of modules reuses the last one. Each step catches up
+every module used on the positions verified since the last step, from the target's hidden
+states, so each module's KV covers the whole sequence; then drafts autoregressively. The
+hidden states of speculative positions are the drafter's own, so those positions are
+recomputed next step (``reuses_draft_kv`` False).
+
+Sharding (tp ranks):
+
+| module                     | split                          | reduce          |
+|----------------------------|--------------------------------|-----------------|
+| eh_proj / mtp.fc           | replicated                     | -               |
+| decoder block (dense, MoE) | as decoder.py (the target's)   | all_reduce      |
+| shared_head.head           | vocab rows over tp             | all_gather      |
+| norms                      | replicated                     | -               |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specray.comm.context import DistContext
+from specray.kv.geometry import KVLayout
+from specray.models.arch import arch_from_hf_config
+from specray.models.attention import build_metadata
+from specray.models.decoder import CausalLM, DecoderLayer
+from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, last_rows
+from specray.models.drafters.mtp_format import DEEPSEEK_V3, MTPFormat, read_mtp_format
+from specray.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding
+from specray.models.loader import CheckpointReader
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """Qwen3-Next's RMS norm, ``x * (1 + w)``: stored as ``w``, held as ``1 + w``."""
+
+    def load(self, reader, name: str) -> None:
+        self.weight.copy_(1.0 + reader.read(name))
+
+
+class MTPModule(nn.Module):
+    """One MTP module: input norms, the projection, a decoder block and its output head."""
+
+    def __init__(self, fmt: MTPFormat, i: int, ctx: DistContext, dtype: torch.dtype):
+        super().__init__()
+        a, dev = fmt.arch, ctx.device
+        h, eps = a.hidden_size, a.rms_norm_eps
+        self.fmt, self.i = fmt, i
+        self.is_deepseek = fmt.layout == DEEPSEEK_V3
+        norm = RMSNorm if self.is_deepseek else ZeroCentredRMSNorm
+        self.enorm, self.hnorm, self.out_norm = (norm(h, eps, dtype, dev) for _ in range(3))
+        self.proj = ReplicatedLinear(2 * h, h, dtype, dev)
+        index = fmt.arch.num_layers + i  # the block's layer index, which decides dense or MoE
+        block_arch = dataclasses.replace(a, moe_layers=(index,) if fmt.is_moe[i] else ())
+        self.block = DecoderLayer(block_arch, index, ctx, dtype)
+        self.head = ParallelLMHead(a.vocab_size, h, ctx.tp, dtype, dev) if self.is_deepseek else None
+
+    @torch.no_grad()
+    def load(self, reader) -> None:
+        p = self.fmt.prefix(self.i)
+        names = ((f"{p}.enorm", f"{p}.hnorm", f"{p}.eh_proj", f"{p}.shared_head.norm") if self.is_deepseek else
+                 ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm"))
+        self.enorm.load(reader, f"{names[0]}.weight")
+        self.hnorm.load(reader, f"{names[1]}.weight")
+        self.proj.load(reader, f"{names[2]}.weight")
+        self.out_norm.load(reader, f"{names[3]}.weight")
+        self.block.load(reader, p)
+        if self.head is not None:
+            self.head.load(reader, f"{p}.shared_head.head")
+
+    def forward(self, target: CausalLM, ids, h, cos, sin, pool, meta, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, fed-back hidden state) at ``rows``; the block's KV is written at every row."""
+        x = self.proj(torch.cat([self.enorm(target.embed_tokens(ids)), self.hnorm(h)], dim=-1))
+        g = self.block(x, cos, sin, pool, meta)[rows]
+        out = self.out_norm(g)
+        if self.is_deepseek:
+            return self.head(out), g
+        return target.logits(out), out
+
+
+class MTPDrafter(nn.Module):
+    is_standalone = False
+    reuses_draft_kv = False
+    feature_layers = (FINAL_HIDDEN,)
+
+    def __init__(self, fmt: MTPFormat, target: CausalLM, ctx: DistContext, dtype: torch.dtype, k: int):
+        super().__init__()
+        a = fmt.arch
+        self.fmt = fmt
+        self.target = [target]  # a list so the target's modules are not registered twice
+        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, ctx.device)
+        # draft j uses module min(j, n - 1): only the first min(k, n) are ever run, or given KV
+        self.mtp = nn.ModuleList(MTPModule(fmt, i, ctx, dtype) for i in range(min(k, fmt.num_modules)))
+        self.kv_layout = KVLayout(len(self.mtp), self.mtp[0].block.self_attn.num_local_kv_heads, a.head_dim)
+
+    @torch.no_grad()
+    def load(self, reader) -> None:
+        for module in self.mtp:
+            module.load(reader)
+
+    def _run(self, m: int, batch: DraftBatch, ids, h, starts: list[int], lens: list[int]):
+        positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
+                                         batch.device)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
+        return self.mtp[m](self.target[0], ids, h, cos, sin, batch.pools[m], meta, last_rows(lens, batch.device))
+
+    def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
+        seqs = batch.seqs
+        # catch-up: positions [consumed, L - 1) pair the target's hidden states with tokens consumed+1 .. L-1,
+        # in every module used (the later ones only for their KV)
+        starts = [s.num_consumed for s in seqs]
+        lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_consumed + 1:]], device=batch.device)
+        features = torch.cat([s.features for s in seqs])
+        outputs = [self._run(m, batch, ids, features, starts, lens) for m in range(len(self.mtp))]
+        logits, h = outputs[0]
+        drafts = [choose(logits, 0)]
+        for j in range(1, batch.k):
+            starts = [len(s.tokens) - 2 + j for s in seqs]
+            logits, h = self._run(min(j, len(self.mtp) - 1), batch, drafts[-1], h, starts, [1] * len(seqs))
+            drafts.append(choose(logits, j))
+        return torch.stack(drafts, dim=1)
+
+
+def mtp_checkpoint(model_path: Path, draft_model: Path | None) -> Path:
+    """Where the MTP weights are: the target's own checkpoint, or the one ``draft_model`` names."""
+    path = draft_model if draft_model is not None else model_path
+    if not Path(path).is_dir():
+        raise ValueError(f"spec method 'mtp' reads the MTP modules inside the target checkpoint, and {str(path)!r} "
+                         f"is not a checkpoint directory (a GGUF file carries no MTP modules specray reads)")
+    return Path(path)
+
+
+def load_mtp_drafter(path: Path, num_draft_tokens: int, ctx: DistContext, dtype: str, target: CausalLM) -> MTPDrafter:
+    """The MTP drafter of checkpoint ``path`` (the target's own, or a copy with MTP weights) on this rank."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"mtp checkpoint {str(path)!r} has no config.json")
+    cfg = json.loads(file.read_text())
+    source = str(path)
+    torch_dtype = getattr(torch, dtype)
+    reader = CheckpointReader(path, torch_dtype, ctx.device)
+    try:
+        if "SpecrayMTPDrafter" in (cfg.get("architectures") or []):
+            arch = target.arch  # read_mtp_format stops with the deprecation error first
+        else:
+            arch = arch_from_hf_config(cfg, source=str(file))
+        fmt = read_mtp_format(cfg, arch, target.arch, reader, source)
+        drafter = MTPDrafter(fmt, target, ctx, torch_dtype, num_draft_tokens)
+        drafter.load(reader)
+    finally:
+        reader.close()
+    for module in drafter.modules():
+        if hasattr(module, "pack"):
+            module.pack()  # as the target's layers: the packed copies follow the loaded weights
+    return drafter.eval()
