@@ -128,8 +128,10 @@ async def zip_first(stream, n: int):
         yield await stream.__anext__(), i
 
 
-@pytest.mark.parametrize("launcher, tp", [("local", 1), ("mp", 2)])
-def test_32_concurrent_streams_with_a_third_cancelled(launcher, tp):
+@pytest.mark.parametrize("launcher, tp", [("local", 1), ("mp", 2), ("ray", 2)])
+def test_32_concurrent_streams_with_a_third_cancelled(launcher, tp, request):
+    if launcher == "ray":
+        request.getfixturevalue("ray_cluster")
     prompts = [[1 + i % 7, 2 + i, 3] for i in range(32)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
