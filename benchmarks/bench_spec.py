@@ -4,6 +4,8 @@ transformers' assisted generation on the same draft pair, in one run.
     python -m benchmarks.bench_spec            # --quick (default): a few minutes on 2 cores
     python -m benchmarks.bench_spec --full     # the whole grid of issue 6 at TP=1
     python -m benchmarks.bench_spec --plot bench-results/spec.png
+    python -m benchmarks.bench_spec --model smollm2-135m [--quick]   # SmolLM2 on HumanEval: every
+        # method (plain, ngram, draft_model, eagle3, dflash, dspark); see spec_humaneval.py
 
 Target ``mid-llama`` (156M parameters, float32); drafters ``mid-llama-draft`` (draft_model:
 the target's embedding, first layer and LM head) and ``mid-llama-dflash`` (random-weight
@@ -40,6 +42,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -78,9 +81,9 @@ class StepTimer:
             self.draft_s += time.perf_counter() - start
             return out
 
-        def timed_score(plan, inputs):
+        def timed_score(*args):
             start = time.perf_counter()
-            out = score(plan, inputs)
+            out = score(*args)
             self.verify_s += time.perf_counter() - start
             self.num_steps += 1
             return out
@@ -182,12 +185,12 @@ def grid(args) -> list[tuple[str, int, float | None, int]]:
     return [(m, k, f, b) for m in DRAFTERS for k in ks for f in forces if f is None or f <= k + 1 for b in batches]
 
 
-def format_table(rows: list[dict]) -> str:
-    head = " | ".join(h for _, h, _ in COLUMNS)
+def format_table(rows: list[dict], columns=COLUMNS) -> str:
+    head = " | ".join(h for _, h, _ in columns)
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             v = r.get(key)
             cells.append("-" if v is None else format(v, fmt) if fmt != "s" else str(v))
         lines.append(" | ".join(cells))
@@ -221,6 +224,11 @@ def plot(rows: list[dict], plain: dict[int, dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--model" or a.startswith("--model=") for a in argv):  # SmolLM2 on HumanEval: its own grid
+        from benchmarks import spec_humaneval
+
+        return spec_humaneval.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="the whole grid (default: --quick)")
     ap.add_argument("--quick", action="store_true", help="the default: k 3, force none/3, batch 1 and 4")

@@ -1,5 +1,6 @@
 """Tiny drafter checkpoints in the published formats (seeded random weights, written by
-drafter_presets), and helpers that drive a drafter directly, for test_drafter_formats*.py."""
+drafter_presets) for a target checkpoint directory or GGUF file, and helpers that drive a
+drafter directly, for test_drafter_formats*.py and test_spec_smollm2.py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from specray.comm.context import DistContext
-from specray.models.arch import read_arch
 from specray.models.drafter_presets import dflash_config, dspark_config, eagle3_config, head_weights
 from specray.models.drafters.common import DraftBatch, DraftSeq
 from specray.models.drafters.published import load_published_drafter
 from specray.models.checkpoint_writer import write_checkpoint
+from specray.models.loader import read_model_arch
 
 PAGE = 32
 
@@ -42,19 +43,19 @@ def speculators_module(name: str):
 
 def write_eagle3(directory: Path, target_dir: Path, layout="specforge", draft_vocab=None, embed=False,
                  seed=1, **overrides) -> Path:
-    cfg = dict(eagle3_config(read_arch(target_dir), layout, draft_vocab), **overrides)
+    cfg = dict(eagle3_config(read_model_arch(target_dir), layout, draft_vocab), **overrides)
     write_checkpoint(directory, cfg, head_weights("eagle3", cfg, seed, with_embed=embed))
     return directory
 
 
 def write_dflash(directory: Path, target_dir: Path, seed=1, **overrides) -> Path:
-    cfg = dict(dflash_config(read_arch(target_dir)), **overrides)
+    cfg = dict(dflash_config(read_model_arch(target_dir)), **overrides)
     write_checkpoint(directory, cfg, head_weights("dflash", cfg, seed))
     return directory
 
 
 def write_dspark(directory: Path, target_dir: Path, seed=1, **options) -> Path:
-    cfg = dspark_config(read_arch(target_dir), **options)
+    cfg = dspark_config(read_model_arch(target_dir), **options)
     write_checkpoint(directory, cfg, head_weights("dspark", cfg, seed))
     return directory
 
