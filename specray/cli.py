@@ -1,4 +1,4 @@
-"""`specray generate | chat | bench`.
+"""`specray generate | chat | serve | bench`.
 
 The engine and sampling flags are declared once (``add_engine_arguments``,
 ``add_sampling_arguments``) and shared by every subcommand; ``engine_config_from_args``
@@ -18,6 +18,7 @@ import time
 from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, PLACEMENT_STRATEGIES, SPEC_METHODS, EngineConfig,
                             KVConfig, ParallelConfig, SamplingParams, SpecConfig)
 from specray.envs import torchrun_env_present
+from specray.serve.server import add_server_arguments
 
 EXIT_USAGE = 2  # argparse's code for bad arguments; config errors use it too
 
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.set_defaults(run=run_chat)
 
+    engine_only = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(engine_only)
+    serve = commands.add_parser("serve", parents=[engine_only], help="an OpenAI-compatible HTTP server")
+    add_server_arguments(serve)
+    serve.set_defaults(run=run_serve)
+
     bench = commands.add_parser("bench", parents=[shared], help="plain-decoding throughput and latency sweep")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
@@ -216,6 +223,12 @@ def run_chat(args: argparse.Namespace) -> int:
             _print_stats(out, time.perf_counter() - start, file=sys.stderr)
             history.append({"role": "assistant", "content": out.text})
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from specray.serve.server import serve
+
+    return serve(engine_config_from_args(args), args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
