@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from specray.config import EngineConfig, SamplingParams
 from specray.errors import ConfigError, EngineClosed
-from specray.executor.engine import RequestOutput
+from specray.executor.outputs import RequestOutput
 from specray.executor.text import ChatPrompt, Prompt
 from specray.kv.geometry import PoolGeometry
 from specray.launch import start_engine
@@ -32,7 +32,7 @@ class LLM:
         ``LLM(model=..., **kwargs)``, a keyword argument always takes effect; a name that is
         not a field is an error, never ignored."""
         self._engine = None  # close() and __del__ work even if start-up fails
-        self.config = _resolve_config(config, overrides)
+        self.config = resolve_config(config, overrides)
         self._engine = start_engine(self.config)
 
     def _require_open(self):
@@ -109,7 +109,7 @@ class LLM:
             pass
 
 
-def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+def resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
     """``config`` with ``overrides`` applied, or ``EngineConfig(**overrides)`` without one."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(overrides) - fields)

@@ -1,46 +1,39 @@
 """EngineCore: the coordinator that runs in rank 0's process.
 
-It owns the scheduler and rank 0's worker, agrees the pool geometry, and drives every step:
-plan, send the plan to the followers, execute, record the tokens. Under Ray or mp the
-driver only submits requests to it and collects outputs; the step loop stays here.
+It owns one persistent scheduler and rank 0's worker, and drives every step: plan, send the
+plan to the followers, execute, record the tokens, and turn them into per-request deltas.
+Requests join (``add``) and leave (``abort``) between any two steps; ``executor/loop.py``
+runs the loop around it, and the driver only writes its inbox and reads its outbox.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specray.config import EngineConfig, SamplingParams
 from specray.executor import spec_metrics
-from specray.workers.plan import CallEnd, StepPlan
+from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
 from specray.executor.scheduler import Scheduler, Sequence
-from specray.executor.text import ChatPrompt, Prompt, RequestText, encode_prompt, engine_tokenizer
+from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine_tokenizer
+from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator
 from specray.workers.worker import RankWorker
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str  # "length" or "stop"
-    metrics: dict = field(default_factory=dict)
-    text: str = ""  # the output text ("" when the model has no tokenizer)
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
-
-
 def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vocab_size: int,
-                      capacity_tokens: int, lookahead_tokens: int, max_model_len: int) -> None:
+                      capacity_tokens: int, lookahead_tokens: int, max_model_len: int,
+                      labels: list | None = None) -> None:
     """Reject the whole call before anything runs, so no request is half served.
 
-    The error names the request index, the value and the rule."""
+    The error names the request (``labels[i]``, its index by default), the value and the rule."""
     if len(prompts) != len(params):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
+    labels = list(range(len(prompts))) if labels is None else labels
+    for i, prompt, p in zip(labels, prompts, params):
         if len(prompt) == 0:
             raise ValueError(f"request {i}: the prompt is empty; a prompt needs at least one token")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -62,12 +55,22 @@ def validate_requests(prompts: list[list[int]], params: list[SamplingParams], vo
             )
 
 
+
+@dataclass(slots=True)
+class LiveRequest:
+    """A request between its ``add`` and its last delta."""
+
+    request_id: str
+    seq: Sequence
+    num_sent: int = 0  # output tokens already sent in deltas
+    has_sent: bool = False  # a delta went out (the first carries the prompt's token ids)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, worker: RankWorker, channel=None, sends_outputs: bool = False):
+    def __init__(self, config: EngineConfig, worker: RankWorker, channel=None):
         self.config = config
         self.worker = worker
         self.channel = channel  # sends plans to the followers; None on a single rank
-        self.sends_outputs = sends_outputs  # followers return the outputs too (external launcher)
         self.is_broken = False  # a step failed midway: the ranks may disagree, serve no more
         self.geometry = worker.geometry  # agreed by every rank before the engine starts
         self.allocator = BlockAllocator(self.geometry["target"].num_blocks)
@@ -75,6 +78,13 @@ class EngineCore:
         draft = self.geometry.get("draft")
         self.draft_allocator = BlockAllocator(draft.num_blocks) if draft is not None else None
         self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
+        self.scheduler = Scheduler(self.allocator, self.geometry["target"].tokens_per_block, config.max_num_seqs,
+                                   config.max_num_batched_tokens, num_draft_tokens=self.num_draft_tokens,
+                                   draft_allocator=self.draft_allocator,
+                                   draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0)
+        self.live: dict[str, LiveRequest] = {}
+        self._by_seq: dict[int, LiveRequest] = {}
+        self._needs_settle = False  # steps ran since the ranks last compared their tokens
         self._seq_ids = 0
         self._rng = random.Random(config.seed)
         self.tokenizer = engine_tokenizer(config)  # None: the model speaks token ids only
@@ -83,41 +93,82 @@ class EngineCore:
     def capacity_tokens(self) -> int:
         return self.geometry["target"].capacity_tokens
 
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
     def _step(self, plan: StepPlan) -> list[int]:
         if self.channel is not None:
             self.channel.send(plan)
         return self.worker.execute(plan)
 
-    def _encode(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[int]]:
-        ids = [encode_prompt(self.tokenizer, p, i, self.config.model) for i, p in enumerate(prompts)]
-        for i, p in enumerate(params):
+    def add(self, message: AddRequests) -> None:
+        """Encode and validate every request of ``message``, then add them all: a ValueError
+        naming the request (its label) adds none, so no request of a call is half served."""
+        if self.is_broken:
+            raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
+        ids, prompts, params = (list(column) for column in zip(*message.requests)) if message.requests else ([],) * 3
+        labels = message.labels
+        seen = set(self.live)
+        for label, rid in zip(labels, ids):
+            if rid in seen:
+                raise ValueError(f"request {label}: request id {rid!r} is already running; request ids must be unique")
+            seen.add(rid)
+        arch = self.worker.arch
+        encoded = [encode_prompt(self.tokenizer, p, label, self.config.model) for label, p in zip(labels, prompts)]
+        for label, p in zip(labels, params):
             if p.stop and self.tokenizer is None:
-                raise ValueError(f"request {i}: stop strings {list(p.stop)} need a tokenizer, and model "
+                raise ValueError(f"request {label}: stop strings {list(p.stop)} need a tokenizer, and model "
                                  f"{self.config.model!r} has none; use stop_token_ids")
-        return ids
+        validate_requests(encoded, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
+                          arch.max_position_embeddings, labels)
+        for rid, ids_, p, prompt in zip(ids, encoded, params, prompts):
+            request = LiveRequest(rid, self._sequence(ids_, p, isinstance(prompt, ChatPrompt)))
+            self.live[rid] = self._by_seq[request.seq.seq_id] = request
+            self.scheduler.add(request.seq)
 
-    def generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
-        """Run every request to its end; prompts are token ids, text or a ChatPrompt."""
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        """Stop these requests now: their pages go back to every pool's free list and the next
+        plan tells the followers to forget them. Ids not running (finished, unknown) are skipped."""
+        deltas = []
+        for rid in request_ids:
+            request = self.live.get(rid)
+            if request is None:
+                continue
+            self.scheduler.abort(request.seq)
+            self._needs_settle = True
+            deltas.append(self._delta(request))
+        return deltas
+
+    def step(self) -> list[RequestDelta]:
+        """One step of every scheduled request; a delta for each (each got at least one token)."""
         if self.is_broken:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         try:
-            arch = self.worker.arch
-            is_chat = [isinstance(p, ChatPrompt) for p in prompts]
-            prompts = self._encode(prompts, params)
-            validate_requests(prompts, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
-                              arch.max_position_embeddings)
-        except ValueError as e:
-            if self.sends_outputs:
-                self.channel.send(CallEnd(error=str(e)))
-            raise
-        try:
-            outputs = self._generate(prompts, params, is_chat)
+            plan = self.scheduler.schedule()
+            tokens = self._step(plan)
+            self.scheduler.finish_step(tokens, self.worker.num_drafts)
         except BaseException:
             self.is_broken = True
             raise
-        if self.sends_outputs:
-            self.channel.send(CallEnd(outputs=outputs))
-        return outputs
+        self._needs_settle = True
+        return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids]
+
+    def settle(self) -> None:
+        """When the work runs out: the call-end plan lets the ranks forget the last finished
+        sequences now and compare their token digests (workers/token_check.py)."""
+        end = self.scheduler.schedule()
+        end.is_call_end = True
+        try:
+            self._step(end)
+        except BaseException:
+            self.is_broken = True
+            raise
+        self._needs_settle = False
+
+    @property
+    def needs_settle(self) -> bool:
+        return self._needs_settle and not self.scheduler.has_work
 
     def _sequence(self, prompt: list[int], params: SamplingParams, is_chat: bool) -> Sequence:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -129,40 +180,44 @@ class EngineCore:
         self._seq_ids += 1
         return seq
 
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams], is_chat: list[bool],
-                  ) -> list[RequestOutput]:
-        k = self.num_draft_tokens
-        draft = self.geometry.get("draft")
-        scheduler = Scheduler(self.allocator, self.geometry["target"].tokens_per_block, self.config.max_num_seqs,
-                              self.config.max_num_batched_tokens, num_draft_tokens=k,
-                              draft_allocator=self.draft_allocator,
-                              draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0)
-        seqs = [self._sequence(*request) for request in zip(prompts, params, is_chat)]
-        for seq in seqs:
-            scheduler.add(seq)
-        while scheduler.has_work:
-            plan = scheduler.schedule()
-            tokens = self._step(plan)
-            scheduler.finish_step(tokens, self.worker.num_drafts)
-        # Let the ranks forget the last finished sequences now rather than at the next call,
-        # and compare their tokens (the call-end plan).
-        end = scheduler.schedule()
-        end.is_call_end = True
-        self._step(end)
-        return [self._output(i, s, k) for i, s in enumerate(seqs)]
+    def _delta(self, request: LiveRequest) -> RequestDelta:
+        """What the request gained since its last delta; the last one carries its metrics."""
+        seq = request.seq
+        new = seq.output_ids[request.num_sent:]
+        is_first, request.has_sent, request.num_sent = not request.has_sent, True, len(seq.output_ids)
+        text = ""
+        if seq.text is not None:
+            if seq.is_finished and seq.finish_reason != "abort":
+                seq.text.finish()
+            text = seq.text.take_new(seq.is_finished)
+        delta = RequestDelta(request.request_id, new, text, seq.prompt_len, len(seq.output_ids),
+                             seq.finish_reason, seq.stop_reason,
+                             prompt_token_ids=seq.token_ids[:seq.prompt_len] if is_first else None)
+        if seq.is_finished:
+            delta.metrics = self._metrics(seq)
+            del self.live[request.request_id], self._by_seq[seq.seq_id]
+        return delta
 
-    @staticmethod
-    def _output(index: int, seq: Sequence, num_draft_tokens: int = 0) -> RequestOutput:
-        out = seq.output_ids
-        ttft = seq.first_token_s - seq.arrival_s
-        tpot = (seq.finish_s - seq.first_token_s) / (len(out) - 1) if len(out) > 1 else 0.0
+    def _metrics(self, seq: Sequence) -> dict:
+        out, k = seq.output_ids, self.num_draft_tokens
+        first = seq.first_token_s
+        ttft = first - seq.arrival_s if first is not None else None
+        tpot = (seq.finish_s - first) / (len(out) - 1) if len(out) > 1 else 0.0
         metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
-        if num_draft_tokens:
-            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, num_draft_tokens, seq.draft_counts,
+        if k:
+            metrics.update(spec_metrics.request_metrics(seq.accepted_counts, k, seq.draft_counts,
                                                         seq.num_decode_steps))
-        text = seq.text.finish() if seq.text is not None else ""
-        return RequestOutput(index, seq.token_ids[: seq.prompt_len], out, seq.finish_reason, metrics, text,
-                             seq.stop_reason)
+        return metrics
+
+    def stats(self) -> EngineStats:
+        """A snapshot: requests running and waiting, pages in use per pool, the spec counters."""
+        s = self.scheduler
+        usage = {"target": 1 - self.allocator.num_free / self.allocator.num_blocks}
+        if self.draft_allocator is not None:
+            usage["draft"] = 1 - self.draft_allocator.num_free / self.draft_allocator.num_blocks
+        c = s.spec_counters
+        return EngineStats(len(s.running), len(s.waiting), usage, c.num_drafts, c.num_draft_tokens,
+                           c.num_accepted_tokens, list(c.accepted_per_position))
 
     def close(self) -> None:
         if self.channel is not None and not self.is_broken:

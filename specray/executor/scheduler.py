@@ -11,7 +11,8 @@ Rules:
 - when a running request needs a page and none is free, the most recently admitted
   running request is preempted: its pages are freed, and it waits at the front of the
   queue to be recomputed (prompt plus what it already generated), so no request fails;
-- finishing frees every page of the request at once.
+- finishing frees every page of the request at once, and so does aborting it (``abort``),
+  whether it runs or waits.
 
 Speculative decoding (``num_draft_tokens`` k > 0): a decoding sequence feeds its last token
 and the ranks append k drafts, so its pages cover ``len(token_ids) + k`` slots; after the
@@ -33,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specray.config import SamplingParams
+from specray.executor.spec_metrics import SpecCounters
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator, blocks_needed
 
@@ -111,6 +113,7 @@ class Scheduler:
         self._preempted: list[int] = []  # since the last plan: ranks reset their block tables
         self._finished: list[int] = []  # since the last plan: ranks drop every trace of them
         self._truncated: dict[int, tuple[int, int]] = {}  # since the last plan: rolled-back table lengths
+        self.spec_counters = SpecCounters(num_draft_tokens)  # cumulative over every request
 
     @property
     def has_work(self) -> bool:
@@ -118,6 +121,21 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is: its pages (target and draft) go back at once, and the
+        next plan tells the ranks to forget it if they ever saw it."""
+        if seq in self.running:
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self._preempted:
+            self._preempted.remove(seq.seq_id)
+        if seq.admitted_at >= 0:
+            self._finished.append(seq.seq_id)
+        seq.is_finished = True
+        seq.finish_s = time.perf_counter()
+        seq.finish_reason, seq.stop_reason = "abort", None
 
     def _pages_for(self, seq: Sequence, extra: int) -> tuple[int, int]:
         """Pages (target, draft) the sequence still needs to hold its tokens plus ``extra``."""
@@ -216,6 +234,7 @@ class Scheduler:
             if proposed:  # a step that verified no draft was a plain decode step (as vLLM counts)
                 seq.accepted_counts.append(len(new) - 1)
                 seq.draft_counts.append(proposed)
+                self.spec_counters.record(len(new) - 1, proposed)
             # every fed token is cached except the rejected drafts; the last new token is not fed yet
             seq.num_computed = len(seq.token_ids) + len(new) - 1
             for token in new:

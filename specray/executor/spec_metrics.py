@@ -21,6 +21,7 @@ nowhere here, as vLLM counts ``num_drafts`` only for sequence-steps that propose
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 
 
 def request_metrics(accepted_counts: list[int], k: int, draft_counts: list[int] | None = None,
@@ -75,3 +76,26 @@ def aggregate(metrics: list[dict]) -> dict:
         acceptance_per_position=[sum(hist[i:]) / steps if steps else 0.0 for i in range(1, k + 1)],
     )
     return out
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Cumulative counters over every request, as vLLM names them: ``num_drafts`` counts the
+    sequence-steps that verified at least one draft, ``accepted_per_position[i]`` those that
+    accepted draft i + 1 (so it never increases with i)."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.k
+
+    def record(self, accepted: int, proposed: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1

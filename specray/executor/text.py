@@ -60,6 +60,9 @@ class RequestText:
 
     ``add`` returns True when the text now contains a stop string: the text is cut before it
     (vLLM's rule, whatever token boundaries the stop string crossed) and ``stop_reason`` names it.
+    ``take_new`` streams the text: it holds back the last ``len(longest stop) - 1`` characters
+    while the request runs, since a stop string found later may cut them, so the streamed
+    pieces always add up to the final text.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
@@ -67,6 +70,8 @@ class RequestText:
         self.stop = params.stop
         self.text = ""
         self.stop_reason: str | None = None
+        self.num_sent = 0  # characters of text already streamed
+        self._hold_back = max((len(s) for s in self.stop), default=1) - 1
 
     def add(self, token: int) -> bool:
         delta = self.detokenizer.add([token])
@@ -87,3 +92,9 @@ class RequestText:
         if self.stop_reason is None:
             self.text += self.detokenizer.flush()
         return self.text
+
+    def take_new(self, is_finished: bool) -> str:
+        """The text not streamed yet that no later stop string can cut (all of it once finished)."""
+        end = len(self.text) if is_finished else max(len(self.text) - self._hold_back, self.num_sent)
+        new, self.num_sent = self.text[self.num_sent:end], end
+        return new

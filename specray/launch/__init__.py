@@ -1,13 +1,14 @@
 """Launchers: who starts the ranks (local, mp, ray, external).
 
-``start_engine`` returns an engine handle with ``generate``, ``geometry`` and ``close``.
+``start_engine`` returns an engine handle with ``generate``, ``geometry``, ``close`` and (all
+but ``external``'s followers) ``client``, the driver's side of rank 0's engine loop
+(``executor/client.py``) that ``LLM`` and ``AsyncLLM`` use.
 The mapping (does the model split over these ranks?) is validated here, on the driver,
 before any process or process group starts.
 """
 
 from __future__ import annotations
 
-from specray.comm.context import DistContext
 from specray.config import EngineConfig
 from specray.envs import torchrun_env_present
 from specray.launch.mapping import validate_mapping
@@ -38,14 +39,9 @@ def start_engine(config: EngineConfig):
         return start_external(config, arch)
     validate_mapping(arch, config.parallel)
     if launcher == "local":
-        from specray.executor.engine import EngineCore
-        from specray.workers.worker import RankWorker
+        from specray.launch.local import LocalEngine
 
-        if config.parallel.world_size != 1:
-            raise ValueError(f"launcher 'local' runs one rank, but tp_size is {config.parallel.tp_size}")
-        worker = RankWorker(config, DistContext.single(config.device))
-        worker.init_pools()
-        return EngineCore(config, worker)
+        return LocalEngine(config)
     if launcher == "mp":
         from specray.launch.mp import MPEngine
 
