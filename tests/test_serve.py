@@ -1,4 +1,5 @@
-"""`specray serve` in a subprocess, driven by the real ``openai`` client: outputs equal
+"""`specray serve` in a subprocess (tiny-llama: it has no chat template, so chat is tested on the
+real model in test_serve_spec.py), driven by the real ``openai`` client: outputs equal
 ``LLM.generate``, streaming equals non-streaming, errors map to the client's error classes,
 many concurrent clients with cancellations leave nothing behind, and the metrics add up.
 
@@ -43,7 +44,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def test_completion_and_chat_equal_llm_generate(server, reference):
+def test_completions_equal_llm_generate(server, reference):
     client = server.client()
     outs = reference.generate(PROMPTS[:2], greedy(12))
     got = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=12, temperature=0,
@@ -54,11 +55,7 @@ def test_completion_and_chat_equal_llm_generate(server, reference):
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert ids.choices[0].text == reference.generate([[5, 6, 7]], greedy(8))[0].text
-    messages = [{"role": "user", "content": "hi"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    assert chat.choices[0].message.content == reference.chat(messages, greedy(10))[0].text
-    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 10
+    assert ids.choices[0].finish_reason == "length" and ids.usage.prompt_tokens == 3
 
 
 def test_stream_equals_whole_and_usage_comes_last(server):
@@ -69,11 +66,6 @@ def test_stream_equals_whole_and_usage_comes_last(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
-    messages = [{"role": "user", "content": "tell me"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
-    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                              stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
 
 
 def test_n_samples_with_a_seed_are_reproducible(server):
@@ -136,7 +128,7 @@ def _wait_idle(server, timeout_s: float = 20.0) -> None:
     while True:
         m = server.metrics()
         busy = (m[("specray:num_requests_running", ())], m[("specray:num_requests_waiting", ())],
-                m[("specray:kv_cache_usage_perc", (("pool", "target"),))])
+                m.get(("specray:kv_cache_usage_perc", (("pool", "target"),))))
         if busy == (0, 0, 0):
             return
         assert time.monotonic() < deadline, f"still busy after {timeout_s} s: running, waiting, kv = {busy}"

@@ -57,10 +57,16 @@ def serve(engine_config, args: argparse.Namespace) -> int:
         failures.append(err)
         server.should_exit = True
 
-    app = build_app(EngineHolder(build_engine, on_failure), config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
-    server.run()
+    holder = EngineHolder(build_engine, on_failure)
+    server = uvicorn.Server(uvicorn.Config(build_app(holder, config), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C (SIGINT) is how a server is stopped, not an error
+    finally:
+        if holder.engine is not None:  # lifespan shutdown closes it, unless the interrupt cut that short
+            holder.engine.close()
     if failures:
         if isinstance(failures[0], ValueError):
             raise failures[0]
