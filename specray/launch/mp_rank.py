@@ -1,8 +1,9 @@
 """One ``mp`` rank process, forked by the rank server (``launch/rank_server.py``).
 
 It reads its job from its pipe to the driver (``RankJob``), starts the rank, reports
-``RankReply("ready", ...)`` and then serves (rank 0) or follows (the others). Any failure is
-reported on the pipe and the process exits non-zero, so the driver names this rank.
+``RankReply("ready", ...)`` and then runs the engine loop (rank 0: inbox messages in and
+``LoopOutput``s out on the same pipe) or follows (the others). Any failure is reported on the
+pipe and the process exits non-zero, so the driver names this rank.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from multiprocessing.connection import Connection
 from specray.comm.rendezvous import Rendezvous
 from specray.config import EngineConfig
 from specray.envs import adopt_forwarded_env
-from specray.launch.rank import CLOSE, RankReply, RankRequest, run_rank, start_rank
+from specray.executor.loop import CloseLoop
+from specray.launch.rank import RankReply, run_rank, start_rank
 
 JOB_WAIT_S = 60.0
 """The driver sends the job right after the fork; this only bounds a driver that died in between."""
@@ -57,7 +59,7 @@ def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
     try:
         session = start_rank(config, rdzv)
         conn.send(RankReply("ready", geometry=session.worker.geometry, pid=os.getpid()))
-        run_rank(session, config, lambda t: _next_request(conn, t), conn.send)
+        run_rank(session, config, lambda t: receive(conn, t), conn.send)
     except BaseException as e:  # report, then exit non-zero: the driver names this rank
         traceback.print_exc()
         try:
@@ -67,10 +69,15 @@ def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
         raise SystemExit(1)
 
 
-def _next_request(conn: Connection, timeout_s: float) -> RankRequest | None:
-    if not conn.poll(timeout_s):
-        return None
+def receive(conn: Connection, timeout_s: float) -> list:
+    """Every message the driver has sent, waiting up to ``timeout_s`` for the first (0: only
+    what is already there, so a busy loop never waits on the pipe)."""
+    messages = []
     try:
-        return conn.recv()
+        if conn.poll(timeout_s):
+            messages.append(conn.recv())
+            while conn.poll(0):
+                messages.append(conn.recv())
     except EOFError:  # the driver is gone: stop the job
-        return CLOSE
+        messages.append(CloseLoop())
+    return messages

@@ -17,13 +17,15 @@ class RankFailure(SpecrayError, RuntimeError):
         self.ranks = ranks
 
     @classmethod
-    def from_processes(cls, what: str, procs, conns, detail: str = "", settle_s: float = 1.0) -> RankFailure:
+    def from_processes(cls, what: str, procs, conns, detail: str = "", settle_s: float = 1.0,
+                       errors: dict[int, str] | None = None) -> RankFailure:
+        """``errors``: reports already read off the pipes (rank -> error), with those still there."""
         # A rank that dies makes its peers' collectives fail too; wait a moment for the
         # exits to show, then blame the ranks that exited without reporting an error.
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline and all(p.exitcode is None for p in procs):
             time.sleep(0.02)
-        errors = _error_reports(conns)
+        errors = {**_error_reports(conns), **(errors or {})}
         dead = [(r, p.pid, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in errors]
         # A rank that hangs without dying makes its peers' collectives time out while it
         # stays silent: when nothing died and a rank timed out, the silent live ranks are it.

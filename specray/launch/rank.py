@@ -1,11 +1,11 @@
 """What every rank process runs, whoever launched it: join the groups, load the shards,
-agree the pools, open the control channel; then rank 0 serves calls and the others follow.
+agree the pools, open the control channel; then rank 0 runs the engine loop and the others follow.
 
 ``start_rank`` then ``run_rank`` is the whole life of a rank under mp and Ray alike; the
-launchers only supply how requests arrive and replies leave. The serving loop (rank 0)
-takes requests from the driver, one call at a time, and sends a heartbeat down the channel
-whenever it has waited ``timeout_s / 4`` for one, so followers waiting for a plan can tell
-an idle rank 0 from a dead one.
+launchers only supply how inbox messages arrive (``receive``) and loop outputs leave
+(``emit``). The engine loop (``executor/loop.py``) takes requests at any step and, when
+idle, sends a heartbeat down the channel whenever it has waited ``timeout_s / 4`` for a
+message, so followers waiting for a plan can tell an idle rank 0 from a dead one.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from specray.comm.context import DistContext
 from specray.comm.rendezvous import Rendezvous
 from specray.config import EngineConfig
 from specray.executor.engine import EngineCore
+from specray.executor.loop import run_loop
+from specray.executor.outputs import LoopOutput
 from specray.launch.logs import configure_rank_logging
 from specray.workers.follower import follow
 from specray.workers.worker import RankWorker
@@ -68,22 +70,10 @@ def share_cpu_threads(num_local_ranks: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class RankRequest:
-    """What the driver sends rank 0: ``generate`` (prompts and their params) or ``close``."""
-
-    kind: str
-    prompts: list | None = None
-    params: list | None = None
-
-
-CLOSE = RankRequest("close")
-
-
-@dataclass(frozen=True, slots=True)
 class RankReply:
-    """What a rank sends the driver: ``ready`` (start-up done: geometry and pid), ``ok`` (a
-    call's outputs) or ``error``. Errors travel as plain data (type name and message):
-    exception objects from torch may not unpickle elsewhere."""
+    """What a rank sends the driver besides loop outputs: ``ready`` (start-up done: geometry
+    and pid) or ``error``. Errors travel as plain data (type name and message): exception
+    objects from torch may not unpickle elsewhere."""
 
     kind: str
     geometry: dict | None = None
@@ -118,35 +108,15 @@ class RankReply:
         raise fail(f"rank {rank} reported {self.describe()}")
 
 
-def serve(engine: EngineCore, next_request: Callable[[float], RankRequest | None],
-          reply: Callable[[RankReply], None], heartbeat_s: float) -> None:
-    """Rank 0's loop: a ``generate`` request -> RankReply "ok" or "error"; ``close`` or a fatal
-    error ends it. ``next_request(t)`` returns None after t idle seconds."""
-    while True:
-        request = next_request(heartbeat_s)
-        if request is None:
-            if engine.channel is not None:
-                engine.channel.heartbeat()
-            continue
-        if request.kind == "close":
-            return
-        try:
-            reply(RankReply("ok", outputs=engine.generate(request.prompts, request.params)))
-        except Exception as e:
-            reply(RankReply.error(e, engine.is_broken))
-            if engine.is_broken:
-                raise
-
-
-def run_rank(session: RankSession, config: EngineConfig, next_request: Callable[[float], RankRequest | None],
-             reply: Callable[[RankReply], None]) -> None:
+def run_rank(session: RankSession, config: EngineConfig, receive: Callable[[float], list | None],
+             emit: Callable[[LoopOutput], None]) -> None:
     """A started rank's life until its job ends, under any launcher that talks to rank 0 (mp,
-    Ray): rank 0 serves the driver's calls (``serve``), the others follow its plans. Closes
-    the session however it ends."""
+    Ray): rank 0 runs the engine loop (``run_loop``) on the driver's messages, the others
+    follow its plans. Closes the session however it ends; a failed step raises."""
     try:
         if session.ctx.rank == 0:
             engine = EngineCore(config, session.worker, session.channel)
-            serve(engine, next_request, reply, config.parallel.timeout_s / 4)
+            run_loop(engine, receive, emit, config.parallel.timeout_s / 4)
             engine.close()
         else:
             follow(session.worker, session.channel, session.ctx.timeout_s)

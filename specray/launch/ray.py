@@ -5,14 +5,18 @@ cluster this process is connected to (else the one ``connect_ray`` finds or star
 Each actor gets the driver's forwarded variables (``specray.envs.forwarded_env``: specray's
 own, NCCL_*, GLOO_*, the thread counts) under the user's ``ParallelConfig.runtime_env``.
 
-The driver talks to rank 0 only: it submits a call and waits for its outputs while watching
-every rank. The watch bounds how long a failure takes to surface (``failure_timeout_s``, F):
+The driver talks to rank 0 only, from two threads: a sender that delivers inbox messages
+(``add``, ``abort``) one after another (a threaded actor does not keep the order of calls
+in flight, so each waits for the previous), and a reader that long-polls rank 0's ``deltas``
+and routes them to the client's streams while watching every rank. The watch bounds how
+long a failure takes to surface (``failure_timeout_s``, F):
 
 - a rank's loop that ends (its actor died, or the rank failed) ends the wait at once;
 - every actor is pinged every F/8 from the driver (the actor answers from a spare thread),
   and a ping unanswered for F/2 (a hung process, a lost node) fails the call;
 - the failure then waits at most F/8 for the other loops to show who died, so the error
-  names the rank that died, with its node, rather than a peer whose collective failed.
+  names the rank that died, with its node, rather than a peer whose collective failed;
+- every request in flight then ends with that ``RankFailure``.
 
 Every failure tears the job down: actors killed, the placement group removed (when specray
 made it). Shared memory needs no extra step: segment names are unlinked once mapped, and the
@@ -21,11 +25,16 @@ mappings die with the processes. ``close`` is safe to call twice.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 from specray.comm.rendezvous import Rendezvous, new_job_id
 from specray.config import EngineConfig
 from specray.envs import forwarded_env
+from specray.errors import EngineClosed
+from specray.executor.client import EngineClient
+from specray.executor.outputs import AbortRequests
 from specray.launch.procs import RankFailure
 from specray.launch.ray_placement import RankPlacement, actor_resources, place_ranks
 
@@ -67,11 +76,20 @@ class RayEngine:
         self._actors, self._loops, self._pg, self._owns_pg, self._closed = [], [], None, False, False
         self.placements: list[RankPlacement] = []
         self.pids: list[int] = []
+        self._pings: dict[int, tuple] = {}
+        self._pinged_at = 0.0
+        self._closing = False
         try:
             self._start()
         except BaseException:
             self._teardown()
             raise
+        self.client = EngineClient(self._send, self._check_alive, self.failure_timeout_s)
+        self._outgoing: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._deliver, name="specray-ray-sender", daemon=True),
+                         threading.Thread(target=self._read, name="specray-ray-reader", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _start(self) -> None:
         import ray
@@ -127,40 +145,98 @@ class RayEngine:
                 raise self._failure(what, errors={refs.index(ready[0]): _last_line(e)}) from None
         return ray.get(refs)
 
+    def _send(self, message) -> None:
+        if self._closed or self._closing:
+            raise self.client.error or EngineClosed("this LLM is closed")
+        self._outgoing.put(message)
+
+    def _deliver(self) -> None:
+        """The sender thread: inbox messages to rank 0, in order (each call waits for the last)."""
+        import ray
+
+        while not self._closed:
+            try:
+                message = self._outgoing.get(timeout=self.failure_timeout_s * PING_FRACTION)
+            except queue.Empty:
+                continue
+            rank0 = self._actors[0] if self._actors else None
+            if rank0 is None:
+                return
+            method = rank0.abort if isinstance(message, AbortRequests) else rank0.add
+            ref = method.remote(message.request_ids if isinstance(message, AbortRequests) else message)
+            try:  # a dead rank 0 is the reader's to report; this only keeps the order
+                ray.wait([ref], timeout=self.failure_timeout_s)
+            except Exception:
+                return
+
+    def _read(self) -> None:
+        """The reader thread: long-poll rank 0's outputs and route them, watching every rank."""
+        try:
+            while not (self._closed or self._closing):
+                outputs = self._watch(self._actors[0].deltas.remote(self.failure_timeout_s * PING_FRACTION),
+                                      "generate")
+                for output in outputs:
+                    self.client.dispatch(output)
+        except RankFailure as failure:
+            self.client.fail(failure)
+        except Exception as e:
+            if not (self._closed or self._closing):
+                self.client.fail(RankFailure(f"the Ray driver's reader failed: {type(e).__name__}: {e}", []))
+
+    def _check_alive(self) -> None:
+        if self.client.error is None and not self._threads[1].is_alive():
+            self.client.fail(EngineClosed("this LLM is closed"))
+        if self.client.error is not None:
+            raise self.client.error
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.is_healthy
+
     def generate(self, prompts, params):
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-        reply = self._watch(self._actors[0].submit.remote(prompts, params), "generate")
-        return reply.checked(0, lambda detail: self._failure("generate", detail)).outputs
+        return self.client.generate(prompts, params)
 
     def _watch(self, call, what: str):
         """``call``'s value, while watching every rank (see the module doc for the bound)."""
         import ray
         from ray.exceptions import RayActorError
 
-        pings: dict[int, tuple] = {}
         while True:
             ready, _ = ray.wait([call] + self._loops, num_returns=1, timeout=self.failure_timeout_s * PING_FRACTION)
+            if ready and self._closing:  # close() stopped the loops: nothing failed
+                return []
             if ready and ready[0] == call:
                 try:
-                    return ray.get(call)
+                    value = ray.get(call)
                 except RayActorError:  # rank 0's actor died
                     raise self._failure(what) from None
+                self._ping_round(what)
+                return value
             if ready:
                 raise self._failure(what)
-            now = time.monotonic()
-            for rank, actor in enumerate(self._actors):
-                if rank in pings:
-                    ref, sent_at = pings[rank]
-                    if not ray.wait([ref], timeout=0)[0]:
-                        if now - sent_at > self.failure_timeout_s * UNRESPONSIVE_FRACTION:
-                            raise self._failure(what, unresponsive={rank: now - sent_at})
-                        continue
-                    try:
-                        ray.get(ref)
-                    except RayActorError:
-                        raise self._failure(what) from None
-                pings[rank] = (actor.ping.remote(), now)
+            self._ping_round(what)
+
+    def _ping_round(self, what: str) -> None:
+        """Every F/8: a rank whose last ping is unanswered for F/2 fails the job; ping the rest."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        now = time.monotonic()
+        if now - self._pinged_at < self.failure_timeout_s * PING_FRACTION:
+            return
+        self._pinged_at = now
+        for rank, actor in enumerate(self._actors):
+            if rank in self._pings:
+                ref, sent_at = self._pings[rank]
+                if not ray.wait([ref], timeout=0)[0]:
+                    if now - sent_at > self.failure_timeout_s * UNRESPONSIVE_FRACTION:
+                        raise self._failure(what, unresponsive={rank: now - sent_at})
+                    continue
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    raise self._failure(what) from None
+            self._pings[rank] = (actor.ping.remote(), now)
 
     def _failure(self, what: str, detail: str = "", errors: dict[int, str] | None = None,
                  unresponsive: dict[int, float] | None = None) -> RankFailure:
@@ -186,7 +262,9 @@ class RayEngine:
                     errors.setdefault(rank, _last_line(e))
         where = {p.rank: p.describe() for p in self.placements}
         failure = RankFailure.build(what, sorted(dead.values()), errors, detail, where=where)
-        self._teardown()
+        self._teardown(disconnect=threading.current_thread() is threading.main_thread())
+        if hasattr(self, "client"):
+            self.client.fail(failure)
         return failure
 
     def _pid(self, rank: int) -> int | str:
@@ -217,8 +295,10 @@ class RayEngine:
     def close(self) -> None:
         import ray
 
-        if self._closed:
+        if self._closed:  # a failure tore the job down (in the reader): disconnect here
+            self._teardown()
             return
+        self._closing = True
         if self._loops:
             try:
                 self._actors[0].stop.remote()
@@ -226,8 +306,12 @@ class RayEngine:
             except Exception:
                 pass
         self._teardown()
+        for thread in getattr(self, "_threads", []):
+            thread.join(self.failure_timeout_s)
+        if hasattr(self, "client"):
+            self.client.fail(EngineClosed("this LLM is closed"))
 
-    def _teardown(self) -> None:
+    def _teardown(self, disconnect: bool = True) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -238,7 +322,7 @@ class RayEngine:
         if self._pg is not None and self._owns_pg:
             remove_placement_group(self._pg)
         self._pg = None
-        if self._owns_ray:
+        if self._owns_ray and disconnect:  # ray.shutdown belongs to the driver's own thread
             ray.shutdown()
             self._owns_ray = False
 

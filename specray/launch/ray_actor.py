@@ -1,27 +1,33 @@
 """One Ray actor per rank: the shim between Ray and the rank code in ``launch/rank.py``.
 
 Lifecycle (driven by ``launch/ray.py``): ``node_info`` -> rank 0's ``open_store`` -> ``setup``
-on every actor (collective) -> ``run`` on every actor, which holds the actor's loop for the
-life of the job (rank 0 serves, the others follow). Rank 0's ``submit`` runs in a second
-actor thread and hands the call to that loop through a queue, so the driver submits
-requests and collects outputs but never drives a step. ``ping`` and ``health`` run in
-further threads (the actor's ``max_concurrency``) and only read, so they answer while the
-rank is busy: the driver's failure watch relies on that.
+on every actor (collective) -> ``run`` on every actor, which holds the actor's thread for the
+life of the job (rank 0 runs the engine loop, the others follow). Rank 0's ``add`` and
+``abort`` run in other actor threads and only put a message in the loop's inbox (a queue the
+loop drains between steps); ``deltas`` is a long poll that returns the loop's outputs as
+soon as there are any (or an empty list after its timeout). So the driver writes the inbox
+and reads the outbox but never drives a step. ``ping`` and ``health`` run in further threads
+(the actor's ``max_concurrency``) and only read, so they answer while the rank is busy: the
+driver's failure watch relies on that.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import threading
 
 import torch
 
 from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
-from specray.launch.rank import CLOSE, RankReply, RankRequest, run_rank, start_rank
+from specray.executor.loop import CloseLoop
+from specray.executor.outputs import AbortRequests, AddRequests, LoopOutput
+from specray.launch.local import drain
+from specray.launch.rank import run_rank, start_rank
 from specray.launch.ray_placement import cuda_ordinal
 
-ACTOR_THREADS = 4  # run + submit + ping + health
+ACTOR_THREADS = 6  # run + add/abort + deltas + ping + health, and one to spare
 
 
 class RankActor:
@@ -30,8 +36,9 @@ class RankActor:
         self.session = None
         self.state = "starting"
         self._store = None
-        self._requests: queue.Queue = queue.Queue()
-        self._reply_box: queue.Queue | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: list[LoopOutput] = []
+        self._has_output = threading.Condition()
 
     def node_info(self) -> dict:
         """Where this actor runs, and (on CUDA) the ordinal of the GPU Ray gave it."""
@@ -60,31 +67,37 @@ class RankActor:
             torch.cuda.set_device(s.ctx.device)
         self.state = "serving" if self.rank == 0 else "following"
         try:
-            run_rank(s, self.config, self._next_request, self._reply)
+            run_rank(s, self.config, lambda t: drain(self._inbox, t), self._emit)
             self.state = "stopped"
         except BaseException:
             self.state = "failed"
             raise
         finally:
             self.session = None
+            with self._has_output:
+                self._has_output.notify_all()  # a waiting ``deltas`` returns at once
 
-    def _next_request(self, timeout_s: float):
-        try:
-            request, self._reply_box = self._requests.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        return request
+    def _emit(self, output: LoopOutput) -> None:
+        with self._has_output:
+            self._outbox.append(output)
+            self._has_output.notify_all()
 
-    def _reply(self, message: RankReply) -> None:
-        self._reply_box.put(message)
+    def add(self, message: AddRequests) -> None:
+        self._inbox.put(message)
 
-    def submit(self, prompts, params) -> RankReply:
-        box: queue.Queue = queue.Queue(maxsize=1)
-        self._requests.put((RankRequest("generate", prompts, params), box))
-        return box.get()  # bounded: if the loop dies, the driver sees it and kills this actor
+    def abort(self, request_ids: list[str]) -> None:
+        self._inbox.put(AbortRequests(list(request_ids)))
+
+    def deltas(self, timeout_s: float) -> list[LoopOutput]:
+        """The loop's outputs since the last call, waiting up to ``timeout_s`` for the first."""
+        with self._has_output:
+            if not self._outbox and self.state in ("serving", "ready"):
+                self._has_output.wait(timeout_s)
+            outputs, self._outbox = self._outbox, []
+        return outputs
 
     def stop(self) -> None:
-        self._requests.put((CLOSE, None))
+        self._inbox.put(CloseLoop())
 
     def ping(self) -> int:
         return self.rank
