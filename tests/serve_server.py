@@ -134,3 +134,17 @@ def cmdline(pid: int) -> str:
 
 def dump(obj) -> str:
     return json.dumps(obj, indent=1, default=str)
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    """The mp ranks below a server: the children of its rank server (forks of it, so their
+    command line names it too), oldest (rank 0) first."""
+    servers = [p for p in descendants(server_pid) if "specray.launch.rank_server" in cmdline(p)]
+    return sorted(p for p in servers if _ppid(p) in servers)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
