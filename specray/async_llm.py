@@ -15,10 +15,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from specray.config import EngineConfig, SamplingParams
-from specray.errors import EngineClosed
+from specray.errors import ConfigError, EngineClosed, SpecrayError
 from specray.executor.outputs import EngineStats, RequestDelta
 from specray.executor.text import ChatPrompt, Prompt, engine_tokenizer
-from specray.launch import start_engine
+from specray.launch import resolve_launcher, start_engine
 from specray.llm import resolve_config
 
 
@@ -27,10 +27,11 @@ class AsyncLLM:
         """Start the engine (blocking, like ``LLM``); keyword arguments are ``EngineConfig`` fields."""
         self._engine = None
         self.config = resolve_config(config, overrides)
+        if resolve_launcher(self.config) == "external":
+            raise ConfigError("AsyncLLM needs a launcher whose rank 0 runs the loop for this process (local, mp, "
+                              "ray); under 'external' (torchrun) every rank runs the script and calls "
+                              "LLM.generate together: use LLM there")
         self._engine = start_engine(self.config)
-        if not hasattr(self._engine, "client"):
-            raise ValueError("AsyncLLM runs on rank 0's engine loop, which the external launcher's other ranks "
-                             "do not hold; use LLM there (every rank calls generate)")
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._tokenizer = None
@@ -70,7 +71,10 @@ class AsyncLLM:
         finally:
             if not is_done:  # cancelled or abandoned: free its pages now
                 client.discard([request_id])
-                client.abort([request_id])
+                try:
+                    client.abort([request_id])
+                except SpecrayError:  # closed or dead: nothing runs any more
+                    pass
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its stream ends with a delta whose finish_reason is "abort"."""
