@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import specray
-from specray.errors import SpecrayError
+from specray.errors import EngineClosed, SpecrayError
 from specray.serve.errors import (BadRequest, EngineUnavailable, NotFound, Unauthorized, error_response,
                                   http_error_response, validation_error_response)
 from specray.serve.generation import Admission, RequestRun
@@ -74,7 +74,11 @@ class EngineHolder:
         return self.engine is not None and self.engine.is_healthy
 
     def stats(self):
-        return self.engine.stats() if self.engine is not None else None
+        """The engine's last ``EngineStats``; None before it started and after it closed."""
+        try:
+            return self.engine.stats() if self.engine is not None else None
+        except EngineClosed:
+            return None
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -171,7 +175,8 @@ def _add_plain_routes(app: FastAPI, holder: EngineHolder, metrics: ServerMetrics
         if holder.is_healthy:
             return Response(status_code=200)
         if holder.engine is None:
-            return error_response(holder.error or EngineUnavailable("the engine is still starting"))
+            state = f"failed to start: {holder.error}" if holder.error else "is still starting"
+            return error_response(EngineUnavailable(f"the engine {state}"))
         return error_response(EngineUnavailable("the engine is not healthy: a rank died or the engine broke"))
 
     @app.get("/metrics")
