@@ -37,6 +37,7 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    step_dir: Path | None = None  # SPECRAY_TEST_STEP_DIR of the server, when a test set one
 
     def client(self, **kwargs):
         import openai

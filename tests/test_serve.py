@@ -15,6 +15,7 @@ import time
 
 import openai
 import pytest
+from faults import steps_done
 from serve_server import http_get, start_server, stop_server
 
 from specray import LLM, EngineConfig, KVConfig, SamplingParams
@@ -26,9 +27,11 @@ PROMPTS = ["hello there", "the drafts", "abc", "speculative decoding is", "01234
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    s = start_server(log, "--model", "tiny-llama", *KV, "--max-num-seqs", str(MAX_NUM_SEQS),
-                     "--max-num-queued-reqs", str(MAX_QUEUED), "--served-model-name", "tiny")
+    folder = tmp_path_factory.mktemp("serve")
+    s = start_server(folder / "server.log", "--model", "tiny-llama", *KV, "--max-num-seqs", str(MAX_NUM_SEQS),
+                     "--max-num-queued-reqs", str(MAX_QUEUED), "--served-model-name", "tiny",
+                     env={"SPECRAY_TEST_STEP_DIR": str(folder)})
+    s.step_dir = folder
     yield s
     assert stop_server(s) == 0, s.log_tail()
 
@@ -187,3 +190,15 @@ def test_routes_around_generation(server):
     ids = post("/tokenize", {"prompt": "hello"})
     assert ids["count"] == len(ids["tokens"]) > 0
     assert post("/detokenize", {"tokens": ids["tokens"]})["prompt"].endswith("hello")
+
+
+def test_a_client_that_times_out_aborts_its_non_streaming_request(server):
+    """The request would take 4000 decode steps; the engine's step count stops far short of that."""
+    client = server.client().with_options(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4000, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    _wait_idle(server)
+    steps = steps_done(server.step_dir, 0)
+    time.sleep(1.0)
+    assert steps_done(server.step_dir, 0) == steps < 4000, "the engine kept decoding the abandoned request"

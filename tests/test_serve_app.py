@@ -212,3 +212,12 @@ def test_inter_token_count_is_tokens_minus_one_per_request():
     assert 'specray:request_success_total{finished_reason="stop",model_name="m"} 2.0' in text
     assert 'specray:kv_cache_usage_perc{model_name="m",pool="draft"} 0.5' in text
     assert 'specray:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+
+
+def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):
+    from specray.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port (70000) must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--max-num-queued-reqs", "-1"]) == 2
+    assert "max_num_queued_reqs (-1) must be >= 0" in capsys.readouterr().err
