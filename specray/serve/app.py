@@ -86,8 +86,12 @@ class EngineHolder:
 
 
 class _ClosingStream(StreamingResponse):
-    """Closes its body however the response ends (a client that left included), so the run's
-    engine requests are aborted now rather than when the generator is collected."""
+    """Runs ``on_close`` however the response ends (a client that left included, even before
+    the body started), so the run's engine requests are aborted now, not when collected."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
@@ -95,6 +99,7 @@ class _ClosingStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self._on_close()
 
 
 def build_app(holder: EngineHolder, config: ServeConfig) -> FastAPI:
@@ -124,22 +129,20 @@ def build_app(holder: EngineHolder, config: ServeConfig) -> FastAPI:
         choices = fan_out(body.prompts(), body.sampling_params(default_max_tokens))
         admission.acquire(len(choices))
         run = RequestRun(engine, choices, metrics)
+        is_finished = False
 
-        async def finish():
-            admission.release(len(choices))
-            await run.close()
+        async def finish():  # once, whichever path ends the request first
+            nonlocal is_finished
+            if not is_finished:
+                is_finished = True
+                admission.release(len(choices))
+                await run.close()
 
         try:
             await run.start()
             if body.stream:
-                async def events():
-                    try:
-                        async for chunk in stream_events(fmt, run, config.served_model_name, body.include_usage):
-                            yield chunk
-                    finally:
-                        await finish()
-
-                return _ClosingStream(events(), media_type="text/event-stream")
+                events = stream_events(fmt, run, config.served_model_name, body.include_usage)
+                return _ClosingStream(events, on_close=finish, media_type="text/event-stream")
             results = await _collect_unless_disconnected(request, run)
         except BaseException:
             await finish()
