@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import shlex
 import statistics
@@ -45,7 +46,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 async def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -111,13 +112,13 @@ def server_overhead(url: str, model: str, engine_args: list[str], chat: list[dic
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'config':<8} {'rate':>6} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
-    lines = [head]
+    lines = [f"{'config':<8} {'req/s':>6} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'TPOT p50':>9} {'TPOT p99':>9}   (latencies in ms)"]
     for r in rows:
         lines.append(f"{r['config']:<8} {r['rate']:>6g} {r['num_requests']:>5} {r['output_tok_s']:>8.1f} "
-                     f"{r['ttft_p50_ms']:>8.0f}m {r['ttft_p99_ms']:>8.0f}m {r['tpot_p50_ms']:>8.1f}m "
-                     f"{r['tpot_p99_ms']:>8.1f}m")
-    return "\n".join(lines) + "\n(ms: m)"
+                     f"{r['ttft_p50_ms']:>9.0f} {r['ttft_p99_ms']:>9.0f} {r['tpot_p50_ms']:>9.1f} "
+                     f"{r['tpot_p99_ms']:>9.1f}")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

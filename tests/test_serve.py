@@ -79,6 +79,10 @@ def test_n_samples_with_a_seed_are_reproducible(server):
     again = [c.text for c in client.completions.create(**args).choices]
     assert first == again
     assert len(set(first)) > 1, "three samples at temperature 1 should not all be equal"
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**args, stream=True):  # the choices' chunks interleave
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == first
 
 
 @pytest.mark.parametrize("args, error", [
