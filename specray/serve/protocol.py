@@ -21,7 +21,7 @@ from specray.config import SamplingParams
 from specray.executor.text import ChatPrompt, Prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's own default for /v1/completions
-DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no API default; the server's `--default-max-tokens`-less choice
+DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no fixed API default (OpenAI: up to the context); a bounded answer
 MAX_N = 16
 
 
