@@ -71,6 +71,9 @@ class EchoEngine:
             self.aborted.append(request_id)
             raise
 
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
     def stats(self):
         return Stats(kv_usage={"target": 0.0}, accepted_per_position=[3, 2])
 

@@ -26,7 +26,6 @@ from specray.serve.protocol import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_
                                     CompletionRequest, DetokenizeRequest, TokenizeRequest, fan_out)
 from specray.serve.responses import CHAT, COMPLETION, response_body, stream_events
 
-DISCONNECT_POLL_S = 0.2  # how soon a non-streaming request notices its client left
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left; nobody reads it
 
 
@@ -214,16 +213,23 @@ def _add_plain_routes(app: FastAPI, holder: EngineHolder, metrics: ServerMetrics
 
 
 async def _collect_unless_disconnected(request: Request, run: RequestRun):
-    """The run's results, or None when the client left first (the caller closes the run)."""
+    """The run's results, or None when the client left first (the caller closes the run).
+
+    The disconnect is awaited, not polled: a task reads the request's ASGI channel, whose next
+    message after the body is ``http.disconnect`` (as Starlette's streaming responses listen)."""
     collecting = asyncio.ensure_future(run.collect())
+    listening = asyncio.ensure_future(_client_left(request))
     try:
-        while not collecting.done():
-            await asyncio.wait([collecting], timeout=DISCONNECT_POLL_S)
-            if not collecting.done() and await request.is_disconnected():
-                return None
-        return collecting.result()
+        await asyncio.wait([collecting, listening], return_when=asyncio.FIRST_COMPLETED)
+        return collecting.result() if collecting.done() else None
     finally:
         collecting.cancel()
+        listening.cancel()
+
+
+async def _client_left(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _install_error_handlers(app: FastAPI) -> None:

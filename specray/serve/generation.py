@@ -14,6 +14,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
+from specray.errors import SpecrayError
 from specray.serve.errors import QueueFull
 from specray.serve.metrics import ServerMetrics
 from specray.serve.protocol import Choice
@@ -79,6 +80,7 @@ class RequestRun:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[ChoiceResult, object]] = []
         self._tasks: list[asyncio.Task] = []
+        self._is_closed = False
 
     async def start(self) -> None:
         """Start every choice; raise the first error any choice hit before its first delta."""
@@ -96,6 +98,8 @@ class RequestRun:
         stream = self._engine.generate(result.choice.prompt, result.choice.params, f"{self.id}-{result.choice.index}")
         try:
             async for delta in stream:
+                if self._is_closed:  # a cancel can be lost in a race inside the stream: stop anyway
+                    break
                 timer.on_delta(delta)
                 await self._queue.put((result, delta))
             await self._queue.put((result, _DONE))
@@ -125,6 +129,16 @@ class RequestRun:
         return self.results
 
     async def close(self) -> None:
+        """Stop every choice: cancel its task and abort its engine request by id too, since a
+        task's cancellation can be swallowed by an ``asyncio.wait_for`` that completed at the
+        same moment (Python < 3.12) and the request would then run to its end unread."""
+        self._is_closed = True
         for task in self._tasks:
             task.cancel()
+        unfinished = [f"{self.id}-{r.choice.index}" for r in self.results if r.finish_reason is None]
+        for request_id in unfinished:  # ids that finished meanwhile are skipped by the engine
+            try:
+                await self._engine.abort(request_id)
+            except SpecrayError:
+                break  # the engine is closed or dead: nothing runs any more
         await asyncio.gather(*self._tasks, return_exceptions=True)
