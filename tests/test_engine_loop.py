@@ -128,8 +128,10 @@ async def zip_first(stream, n: int):
         yield await stream.__anext__(), i
 
 
-@pytest.mark.parametrize("launcher, tp", [("local", 1), ("mp", 2)])
-def test_32_concurrent_streams_with_a_third_cancelled(launcher, tp):
+@pytest.mark.parametrize("launcher, tp", [("local", 1), ("mp", 2), ("ray", 2)])
+def test_32_concurrent_streams_with_a_third_cancelled(launcher, tp, request):
+    if launcher == "ray":
+        request.getfixturevalue("ray_cluster")
     prompts = [[1 + i % 7, 2 + i, 3] for i in range(32)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -246,3 +248,32 @@ def test_a_killed_rank_fails_every_request_in_flight_and_turns_unhealthy():
 async def drain(stream):
     async for _ in stream:
         pass
+
+
+def test_scheduler_abort_frees_both_pools_and_tells_the_ranks_only_what_they_saw():
+    from specray.executor.scheduler import Scheduler, Sequence
+    from specray.kv.allocator import BlockAllocator
+
+    target, draft = BlockAllocator(8), BlockAllocator(16)
+    sched = Scheduler(target, 16, max_num_seqs=1, max_num_batched_tokens=512, num_draft_tokens=2,
+                      draft_allocator=draft, draft_tokens_per_block=8)
+    running, waiting = (Sequence(i, list(range(1, 20)), 19, SHORT, seed=i) for i in range(2))
+    sched.add(running)
+    sched.add(waiting)
+    sched.schedule()  # max_num_seqs=1: the first runs (pages in both pools), the second waits
+    assert sched.running == [running] and target.num_free < 8 and draft.num_free < 16
+    sched.abort(waiting)
+    sched.abort(running)
+    assert (target.num_free, draft.num_free) == (8, 16)
+    assert not sched.has_work and running.finish_reason == waiting.finish_reason == "abort"
+    assert sched.schedule().finished == [0]  # the ranks never saw request 1
+
+
+def test_spec_counters_count_as_vllm():
+    from specray.executor.spec_metrics import SpecCounters
+
+    c = SpecCounters(3)
+    for accepted, proposed in [(3, 3), (0, 3), (1, 2)]:
+        c.record(accepted, proposed)
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (3, 8, 4)
+    assert c.accepted_per_position == [2, 1, 1]  # never increases with the position
