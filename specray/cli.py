@@ -1,4 +1,4 @@
-"""`specray generate | chat | bench`.
+"""`specray generate | chat | serve | bench`.
 
 The engine and sampling flags are declared once (``add_engine_arguments``,
 ``add_sampling_arguments``) and shared by every subcommand; ``engine_config_from_args``
@@ -18,6 +18,7 @@ import time
 from specray.config import (ALLREDUCE_MODES, DTYPES, LAUNCHERS, PLACEMENT_STRATEGIES, SPEC_METHODS, EngineConfig,
                             KVConfig, ParallelConfig, SamplingParams, SpecConfig)
 from specray.envs import torchrun_env_present
+from specray.serve.server import add_server_arguments
 
 EXIT_USAGE = 2  # argparse's code for bad arguments; config errors use it too
 
@@ -142,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.set_defaults(run=run_chat)
 
+    engine_only = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(engine_only)
+    serve = commands.add_parser("serve", parents=[engine_only], help="an OpenAI-compatible HTTP server")
+    add_server_arguments(serve)
+    serve.set_defaults(run=run_serve)
+
     bench = commands.add_parser("bench", parents=[shared], help="plain-decoding throughput and latency sweep")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
@@ -170,12 +177,38 @@ def _print_stats(out, elapsed: float, file=None) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specray.llm import LLM
+    from specray.launch import resolve_launcher
 
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                                        stop=tuple(args.stop))
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    if resolve_launcher(config) == "external":  # every torchrun rank runs this: the batch call, rank 0 prints
+        return _generate_on_every_rank(config, prompt, params, args)
+    from specray.async_llm import AsyncLLM
+    from specray.terminal import stream_to_terminal
+
+    llm = AsyncLLM(config)
+    try:
+        _print_geometry(llm)
+        is_text = args.prompt is not None
+        start = time.perf_counter()
+        # with token-id prompts and a model without a tokenizer there is no text: no empty line either
+        out = stream_to_terminal(llm, prompt, params, end_line=is_text)
+        elapsed = time.perf_counter() - start
+        if out.text and not is_text:
+            print()
+    finally:
+        llm.close()
+    if args.prompt_ids is not None:
+        print("output ids:", ",".join(map(str, out.token_ids)))
+    _print_stats(out, elapsed)
+    return 0
+
+
+def _generate_on_every_rank(config: EngineConfig, prompt, params: SamplingParams, args) -> int:
+    from specray.llm import LLM
+
     with LLM(config) as llm:
         is_printing = llm.rank == 0  # under torchrun every rank runs this; rank 0 speaks
         if is_printing:
@@ -195,8 +228,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """One turn per input line, the conversation kept; ``/exit`` or end of input ends it."""
+    from specray.async_llm import AsyncLLM
+    from specray.executor.text import ChatPrompt
     from specray.launch import resolve_launcher
-    from specray.llm import LLM
+    from specray.terminal import stream_to_terminal
 
     config = engine_config_from_args(args)
     if resolve_launcher(config) == "external":
@@ -204,7 +239,8 @@ def run_chat(args: argparse.Namespace) -> int:
                          "or pass --launcher mp/ray")
     params = sampling_params_from_args(args, max_tokens=args.max_tokens, stop=tuple(args.stop))
     history = [{"role": "system", "content": args.system}] if args.system else []
-    with LLM(config) as llm:
+    llm = AsyncLLM(config)
+    try:
         _print_geometry(llm)
         print("type a message, /exit to quit", file=sys.stderr)
         for line in sys.stdin:
@@ -215,11 +251,18 @@ def run_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             start = time.perf_counter()
-            out = llm.chat(history, params)[0]
-            print(out.text, flush=True)
+            out = stream_to_terminal(llm, ChatPrompt(list(history)), params)
             _print_stats(out, time.perf_counter() - start, file=sys.stderr)
             history.append({"role": "assistant", "content": out.text})
+    finally:
+        llm.close()
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from specray.serve.server import serve
+
+    return serve(engine_config_from_args(args), args)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,12 +1,18 @@
-"""The ``ray job submit`` entry point: ``specray generate | bench`` on a Ray cluster.
+"""The ``ray job submit`` entry point: ``specray generate | bench | serve`` on a Ray cluster.
 
     ray job submit --address http://HEAD:8265 -- \\
         python -m specray.launch.ray_job generate --model tiny-llama --tp 4 --prompt-ids 1,2,3
+    ray job submit --address http://HEAD:8265 --no-wait -- \\
+        python -m specray.launch.ray_job serve --model smollm2-135m --tp 3 --host 0.0.0.0 --port 8000
 
-It takes exactly the flags of ``specray generate`` and ``specray bench`` (the parser and the
+It takes exactly the flags of ``specray generate``, ``bench`` and ``serve`` (the parser and the
 config builder of ``specray/cli.py``), runs the ranks under the ``ray`` launcher, and prints
-what the CLI prints. The cluster is the one Ray itself would join: RAY_ADDRESS (``ray job
-submit`` sets it for the job), else the cluster ``ray start`` ran on this node; with neither,
+what the CLI prints. ``serve`` runs the HTTP server on the job's driver (the node ``ray job
+submit`` starts it on, the head unless told otherwise) and the ranks as actors placed by Ray;
+``ray job stop`` stops it (SIGTERM: uvicorn's graceful shutdown, then the ranks).
+
+The cluster is the one Ray itself would join: RAY_ADDRESS (``ray job submit`` sets it for the
+job), else the cluster ``ray start`` ran on this node; with neither,
 a local instance is started for the run and stopped after it.
 """
 

@@ -1,0 +1,226 @@
+"""The server's own layer against an in-process engine double that speaks AsyncLLM's interface
+(deltas in, aborts recorded): request validation, the error envelope and statuses, SSE framing,
+usage, admission and metrics. The real engine behind a real server is tests/test_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specray.config import SamplingParams
+from specray.launch.procs import RankFailure
+from specray.serve.app import EngineHolder, ServeConfig, build_app
+from specray.serve.errors import QueueFull, status_of
+from specray.serve.generation import Admission
+from specray.serve.metrics import ServerMetrics
+from specray.serve.protocol import ChatCompletionRequest, CompletionRequest, fan_out
+
+
+@dataclass
+class Delta:
+    request_id: str
+    new_token_ids: list
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: dict | None = None
+
+
+@dataclass
+class Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: dict = None
+    num_drafts: int = 4
+    num_draft_tokens: int = 12
+    num_accepted_tokens: int = 5
+    accepted_per_position: list = None
+
+
+class EchoEngine:
+    """Answers a prompt of ids with ids+1 (text: one letter per token), two tokens per delta."""
+
+    def __init__(self, max_len: int = 64):
+        self.max_len, self.is_healthy, self.tokenizer = max_len, True, None
+        self.aborted: list[str] = []
+        self.seen_params: list[SamplingParams] = []
+
+    async def generate(self, prompt, params, request_id=None):
+        ids = list(prompt) if isinstance(prompt, list) else [ord(c) for c in str(prompt)][:8]
+        if len(ids) + params.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds {self.max_len}")
+        if not self.is_healthy:
+            raise RankFailure("rank 1 died (exit code -9)", [1])
+        self.seen_params.append(params)
+        out = [(ids[i % len(ids)] + 1) % 256 for i in range(params.max_tokens)]
+        try:
+            for at in range(0, len(out), 2):
+                await asyncio.sleep(0)
+                new = out[at:at + 2]
+                done = at + 2 >= len(out)
+                yield Delta(request_id, new, "".join(chr(97 + t % 26) for t in new), len(ids), at + len(new),
+                            "length" if done else None)
+        except GeneratorExit:
+            self.aborted.append(request_id)
+            raise
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def stats(self):
+        return Stats(kv_usage={"target": 0.0}, accepted_per_position=[3, 2])
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture
+def engine():
+    return EchoEngine()
+
+
+def client_for(engine, **config):
+    holder = EngineHolder(lambda: engine)
+    app = build_app(holder, ServeConfig(served_model_name="m", **config))
+    return TestClient(app)
+
+
+@pytest.fixture
+def client(engine):
+    with client_for(engine) as c:
+        for _ in range(100):  # the engine starts in a worker thread after the app
+            if c.get("/health").status_code == 200:
+                break
+        yield c
+
+
+def test_completion_returns_text_and_usage(client):
+    body = client.post("/v1/completions", json=dict(model="m", prompt=[1, 2, 3], max_tokens=3)).json()
+    assert body["object"] == "text_completion"
+    assert [c["text"] for c in body["choices"]] == ["cde"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_n_choices_get_consecutive_seeds_and_prompt_tokens_count_once(client, engine):
+    body = client.post("/v1/completions", json=dict(model="m", prompt=[5, 6], max_tokens=2, n=3, seed=7)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert sorted(p.seed for p in engine.seen_params) == [7, 8, 9]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+
+
+def test_stream_frames_role_text_finish_usage_and_done(client):
+    request = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    whole = client.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions",
+                       json=dict(request, stream=True, stream_options={"include_usage": True})) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:-1]) == whole != ""
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("max_tokens", 0, "max_tokens"), ("temperature", -1, "temperature"), ("top_p", 2, "top_p"),
+    ("n", 0, "n"), ("stream_options", {"include_usage": True}, None), ("stop", [""], "stop"),
+])
+def test_bad_fields_are_400_in_the_openai_envelope(client, field, value, param):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": [1], field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"]
+    if param:
+        assert error["param"] == param
+    assert client.get("/health").status_code == 200
+
+
+def test_engine_rejections_unknown_models_and_routes(client):
+    too_long = client.post("/v1/completions", json=dict(model="m", prompt=[1] * 60, max_tokens=10))
+    assert too_long.status_code == 400 and "exceeds 64" in too_long.json()["error"]["message"]
+    unknown = client.post("/v1/completions", json=dict(model="other", prompt=[1]))
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_api_key_guards_v1_only(engine):
+    with client_for(engine, api_key="k") as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert c.get("/version").status_code == 200
+
+
+def test_rank_failure_is_500_with_its_message_and_health_503(client, engine):
+    engine.is_healthy = False
+    r = client.post("/v1/completions", json=dict(model="m", prompt=[1], max_tokens=2))
+    assert r.status_code == 500 and "rank 1 died" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 503
+
+
+def test_health_is_503_while_the_engine_starts():
+    may_start = threading.Event()
+
+    def slow_engine():
+        may_start.wait(10)
+        return EchoEngine()
+
+    with TestClient(build_app(EngineHolder(slow_engine), ServeConfig(served_model_name="m"))) as c:
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json=dict(model="m", prompt=[1]))
+        assert r.status_code == 503 and "still starting" in r.json()["error"]["message"]
+        may_start.set()
+
+
+def test_admission_refuses_above_capacity():
+    admission = Admission(3)
+    admission.acquire(2)
+    with pytest.raises(QueueFull, match="capacity of 3"):
+        admission.acquire(2)
+    admission.release(2)
+    admission.acquire(3)
+    assert status_of(QueueFull("x")) == (503, "ServiceUnavailableError")
+
+
+def test_fan_out_orders_choices_prompt_major():
+    req = CompletionRequest(prompt=["a", "b"], n=2, seed=1)
+    choices = fan_out(req.prompts(), req.sampling_params(16))
+    assert [(c.index, c.prompt, c.params.seed) for c in choices] == [(0, "a", 1), (1, "a", 2), (2, "b", 1), (3, "b", 2)]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                 max_completion_tokens=5, max_tokens=9)
+    assert chat.sampling_params(16)[0].max_tokens == 5
+    assert chat.prompts()[0].messages == [{"role": "user", "content": "x"}]
+
+
+def test_inter_token_count_is_tokens_minus_one_per_request():
+    metrics = ServerMetrics("m", stats=lambda: Stats(kv_usage={"target": 0.25, "draft": 0.5},
+                                                     accepted_per_position=[3, 1]))
+    for sizes in ([1, 3, 2], [2, 2]):  # 6 and 4 tokens: 5 + 3 gaps
+        timer = metrics.track()
+        for i, size in enumerate(sizes):
+            timer.on_delta(Delta("r", [0] * size, "", 4, 0, "stop" if i == len(sizes) - 1 else None))
+    text = metrics.render().decode()
+    assert 'specray:time_to_first_token_seconds_count{model_name="m"} 2.0' in text
+    assert 'specray:inter_token_latency_seconds_count{model_name="m"} 8.0' in text
+    assert 'specray:request_success_total{finished_reason="stop",model_name="m"} 2.0' in text
+    assert 'specray:kv_cache_usage_perc{model_name="m",pool="draft"} 0.5' in text
+    assert 'specray:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+
+
+def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):
+    from specray.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port (70000) must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--max-num-queued-reqs", "-1"]) == 2
+    assert "max_num_queued_reqs (-1) must be >= 0" in capsys.readouterr().err
