@@ -44,9 +44,12 @@ class RequestStream:
             return None
 
     async def aget(self, timeout_s: float) -> RequestDelta | BaseException | None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a task's cancel when
+        # an item arrives at the same moment, and a cancelled reader would keep its request running
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                return await self._queue.get()
+        except TimeoutError:
             return None
 
 
