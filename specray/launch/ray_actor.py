@@ -50,7 +50,7 @@ class RankActor:
         return self._store.port
 
     def setup(self, rdzv: Rendezvous):
-        self.session = start_rank(self.config, rdzv, store=self._store)
+        self.session = start_rank(self.config, rdzv, store=self._store, owns_process=True)
         self.state = "ready"
         return self.session.worker.geometry
 
