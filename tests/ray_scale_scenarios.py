@@ -41,7 +41,7 @@ NARROWED_NODE, KILLED_NODE = 1, 2  # the second and third nodes (ranks 4-7 and 8
 
 def config(target: str, drafter: str | None, **parallel) -> EngineConfig:
     spec = SpecConfig(method="dspark", draft_model=drafter, num_draft_tokens=3) if drafter else SpecConfig()
-    parallel = dict(dict(launcher="ray", timeout_s=60.0, failure_timeout_s=FAILURE_TIMEOUT_S, tp_size=16,
+    parallel = dict(dict(launcher="ray", timeout_s=120.0, failure_timeout_s=FAILURE_TIMEOUT_S, tp_size=16,
                          moe_tp_size=4, moe_ep_size=4), **parallel)
     return EngineConfig(model=target, kv=KVConfig(tokens_per_block=64, capacity_tokens=2048),
                         parallel=ParallelConfig(**parallel), spec=spec)
