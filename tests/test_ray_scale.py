@@ -56,16 +56,21 @@ def scale_report(tmp_path_factory):
     return report, one_rank_tokens(target, drafter), one_rank_tokens(target, None)
 
 
-def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list[int]]) -> None:
+def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list[int]]) -> list[str]:
+    """Assert one job's observations; return the Ray node of each specray node (0 to 3)."""
     assert job["geometry"] == {"target": 64, "draft": draft_page}
     ranks = job["ranks"]
+    # four ranks per node, rank 0's node the driver's; the others in Ray's (IP, node id) order
+    ray_nodes = [ranks[4 * n]["ray_node_id"] for n in range(4)]
+    assert ray_nodes[0] == nodes[0] and sorted(ray_nodes) == sorted(nodes)
     assert [(h["rank"], h["node_id"], h["ray_node_id"]) for h in ranks] == [
-        (r, r // 4, nodes[r // 4]) for r in range(16)]
+        (r, r // 4, ray_nodes[r // 4]) for r in range(16)]
     assert all(h["kv"]["draft"]["tokens_per_block"] == draft_page for h in ranks)
     assert all(h["kv"] == ranks[0]["kv"] for h in ranks), "the 16 ranks' fingerprints differ"
     assert job["tokens"] == expected
     # tp (16 ranks) and moe_ep (4, one per node) span nodes; moe_tp (4) sits in one node
-    assert ranks[0]["allreduce"] == dict(tp="hierarchical", moe_tp="one_shot", moe_ep="torch")
+    assert all(h["allreduce"] == dict(tp="hierarchical", moe_tp="one_shot", moe_ep="torch") for h in ranks)
+    return ray_nodes
 
 
 @pytest.mark.timeout(600)  # 16 Ray workers each import torch: minutes on two loaded cores
@@ -76,13 +81,13 @@ def test_tp16_moe_4x4_dspark_over_four_nodes(scale_report):
     assert one_rank == plain, "speculative decoding on one rank must equal plain greedy decoding"
     _check_job(report["default"], nodes, 64, plain)
     # the second node's four ranks accept only 32 for the drafter kernel: all 16 ranks choose 32
-    _check_job(report["narrowed"], nodes, 32, plain)
+    ray_nodes = _check_job(report["narrowed"], nodes, 32, plain)
 
     killed = report["killed"]
     victim = killed["rank"]
     pid = report["narrowed"]["ranks"][victim]["pid"]
     assert killed["error_type"] == "RankFailure" and killed["error_ranks"] == [victim], killed["error"]
-    assert f"rank {victim} (pid {pid}) on node 2 (Ray node {nodes[2][:8]} at 127.0.0.1) died" in killed["error"]
+    assert f"rank {victim} (pid {pid}) on node 2 (Ray node {ray_nodes[2][:8]} at 127.0.0.1) died" in killed["error"]
     assert killed["error_after_s"] < 10.0  # failure_timeout_s of the scenarios
     assert killed["live_pids"] == [] and killed["actors"] == [] and killed["shm"] == []
     assert killed["pg_state"] == "REMOVED"
