@@ -165,7 +165,10 @@ def main() -> None:
         print_table(rows[-1:])
     if not args.no_ray:
         load = os.getloadavg()[0]
-        rows.append(dict(ray_point(scale_checkpoint(16, root), 4, 4), load=load))
+        try:
+            rows.append(dict(ray_point(scale_checkpoint(16, root), 4, 4), load=load))
+        except Exception as e:  # a shared machine: Ray's memory monitor may kill a worker; say so
+            rows.append(dict(launcher="ray 4x4", world=16, skipped=f"{type(e).__name__}: {str(e)[:200]}", load=load))
     allreduce = {str(k): v for k, v in measure_allreduce(16, 4).items()}
     print_table(rows)
     for size, r in allreduce.items():
