@@ -1,11 +1,13 @@
-"""Which all-reduce a group runs: the one-shot shared-memory path or torch.distributed.
+"""Which all-reduce a group runs: the one-shot shared-memory path (one node), the hierarchical
+path (comm/hierarchical.py: a group across nodes) or torch.distributed.
 
 ``ParallelConfig.allreduce``:
 
 - ``"torch"``: torch.distributed (gloo on CPU, NCCL on CUDA) for everything.
 - ``"auto"``: one-shot for messages of at most ``AUTO_THRESHOLD_BYTES`` on a group the one-shot
-  path can serve; torch.distributed for larger messages and wherever it cannot, whatever the
-  reason (``select_path``: ranks on several nodes, a group over ``MAX_GROUP_SIZE``, ...; or a
+  path can serve; hierarchical for messages of at most ``HIERARCHICAL_THRESHOLD_BYTES`` on a
+  group across nodes where it measured faster (``select_path``); torch.distributed for larger
+  messages and wherever neither can serve, whatever the reason (``select_path``: ranks on several nodes, a group over ``MAX_GROUP_SIZE``, ...; or a
   segment that fails to set up).
 - ``"one_shot"``: one-shot for every message that fits its buffer (``ONE_SHOT_SLOT_BYTES``),
   still torch.distributed for larger messages and for groups across nodes (shared memory does

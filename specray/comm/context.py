@@ -10,7 +10,7 @@ Group layout over the tp ranks (world size == tp_size; moe_tp * moe_ep == tp):
 | tp      | all ranks                                          | nccl or gloo   |
 | moe_tp  | the moe_tp ranks of expert group r // moe_tp       | nccl or gloo   |
 | moe_ep  | the moe_ep ranks with the same r % moe_tp          | nccl or gloo   |
-| cpu     | all ranks (geometry agreement, token checks)       | gloo           |
+| cpu     | all ranks (geometry agreement, token checks)       | gloo (tp on CPU) |
 | control | rank 0 and every rank off rank 0's node (plans)    | gloo           |
 
 Every group carries ``ParallelConfig.timeout_s``: a collective that waits longer on a dead or

@@ -75,6 +75,7 @@ class HierarchicalAllReduce:
         if len(members) > 1:
             self.node = OneShotAllReduce(SubGroup(group, members, me), slot_bytes, timeout_s, job_id=job_id)
         self.slot_bytes = self.node.slot_bytes if self.node is not None else slot_bytes
+        self.path = self.node.path if self.node is not None else None  # the node segment (unlinked already)
         self.num_calls = 0
 
     def fits(self, x: torch.Tensor) -> bool:
