@@ -4,8 +4,10 @@ exact). A tiny MoE target sized for it: 32 heads, MoE TP4 x EP8. The KV capacity
 (1024 tokens) so that 32 pools are not zeroed out of half the host's memory; the budget split
 itself is test_geometry_ranks.py's. 72 ranks are benchmarks/bench_scale.py's.
 
-Measured on the shared two-core machine (load 8-17): about 10 s of start-up and 2 s to decode.
-SPECRAY_SKIP_SCALE_TESTS=1 skips it, saying so, for runs that cannot afford 32 processes.
+Measured on the shared two-core machine: 66 s for the whole test at a load average of 30
+(checkpoint, one-rank reference, 32-rank start-up and decode; the 32-rank start-up alone was
+2-4 s with the rank server warm, 9 s with its first torch import). It stays in the suite;
+SPECRAY_SKIP_SCALE_TESTS=1 skips it, with a reason that says how to run it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SHAPE = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=8, num_expe
 
 
 @pytest.mark.skipif(os.environ.get("SPECRAY_SKIP_SCALE_TESTS") == "1",
-                    reason="SPECRAY_SKIP_SCALE_TESTS=1 is set; unset it to run 32 mp ranks (about 15 s)")
+                    reason="SPECRAY_SKIP_SCALE_TESTS=1 is set: unset it to run 32 mp ranks (~1 min on two cores)")
 def test_thirty_two_mp_ranks_start_agree_and_decode_token_exact(tmp_path):
     model = make_checkpoint("qwen3_moe", tmp_path / "moe32", seed=7, **SHAPE)
     with LLM(EngineConfig(model=str(model), kv=KV)) as llm:
