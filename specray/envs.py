@@ -12,6 +12,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |                                   | fingerprint check must catch                                   |
 | SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
 |                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
+| SPECRAY_STARTUP_PROFILE_DIR       | benchmarks: each rank writes its start-up phases to            |
+|                                   | ``<dir>/rank<R>.json`` (specray/startup_phases.py)             |
 
 Rank processes started by a launcher (mp's rank server, Ray actors) get the driver's
 variables listed by ``forwarded_env``: specray's own, the communication libraries', and

@@ -198,8 +198,11 @@ def _groups_body(rank: int, world: int, store_path: str, queue) -> dict:
     mine = [world_group] + [g for g in pairs if g is not None]
     result["interleaved"] = check_groups_do_not_interfere(rank, mine)
 
-    # a group over two nodes (faked) or with mode torch gets no reducer: torch.distributed
-    result["across_nodes"] = [make_reducer(world_group, [0, 0, 1, 1], mode, 30.0) for mode in ("auto", "one_shot")]
+    # a group over two nodes (faked): hierarchical under auto (test_hierarchical_allreduce.py), torch
+    # under one_shot; mode torch gets no reducer
+    across = [make_reducer(world_group, [0, 0, 1, 1], mode, 30.0) for mode in ("auto", "one_shot")]
+    result["across_nodes"] = [r if r is None else r.path for r in across]
+    across[0].close()
     result["torch_mode"] = make_reducer(world_group, [0] * 4, "torch", 30.0)
     world_group.barrier()
     return result
@@ -216,7 +219,7 @@ def test_groups_of_2_3_4_ranks_bitwise_selection_and_isolation(tmp_path):
         assert all(routes == ("one_shot", "torch") for routes in value["routes"].values())
         assert value["num_checked"] == [3 * 8 + 3] * len(expected_groups)
         assert value["interleaved"] == 12 * 3
-        assert value["across_nodes"] == [None, None] and value["torch_mode"] is None
+        assert value["across_nodes"] == ["hierarchical", None] and value["torch_mode"] is None
 
 
 def test_rank_inputs_make_summation_order_visible():

@@ -43,14 +43,16 @@ def _context_body(rank: int, world: int, store_path: str, queue) -> list[dict]:
             for i, (keys, mode) in enumerate([("aabb", "auto"), ("aaaa", "one_shot"), ("aaaa", "torch")])]
 
 
-def test_context_attaches_one_shot_only_to_groups_within_a_node(tmp_path):
+def test_context_attaches_one_shot_within_a_node_and_hierarchical_across_nodes(tmp_path):
     results = results_by_rank(*spawn_ranks(4, _context_body, tmp_path))
     for rank, (two_hosts, one_host, torch_mode) in results.items():
-        # moe_tp groups (0,1), (2,3) sit on one host each; tp and moe_ep (0,2), (1,3) span both
-        assert two_hosts["groups"]["tp"] is None and two_hosts["groups"]["moe_ep"] is None
-        moe_tp = two_hosts["groups"]["moe_tp"]
-        assert moe_tp["kind"] == SelectedAllReduce.__name__ and moe_tp["calls"] == 1
-        assert f"specray-{two_hosts['job_id']}-ar-" in moe_tp["path"], "segment names carry the job id"
+        # moe_tp groups (0,1), (2,3) sit on one host each: one-shot; tp spans both hosts 2 + 2:
+        # hierarchical (a one-shot segment per host); moe_ep (0,2), (1,3) has one rank per host: torch
+        assert two_hosts["groups"]["moe_ep"] is None
+        for name in ("moe_tp", "tp"):
+            reducer = two_hosts["groups"][name]
+            assert reducer["kind"] == SelectedAllReduce.__name__ and reducer["calls"] == 1
+            assert f"specray-{two_hosts['job_id']}-ar-" in reducer["path"], "segment names carry the job id"
         assert all(one_host["groups"][name]["calls"] == 1 for name in GROUPS)
         assert torch_mode["groups"] == {name: None for name in GROUPS}
         assert two_hosts["leftover"] == one_host["leftover"] == []

@@ -149,8 +149,8 @@ SERVABLE = dict(group_size=4, node_ids=[0, 0, 0, 0], backend="gloo", is_supporte
     ("one_shot", {}, "one_shot", ""),
     ("torch", {}, "torch", "allreduce='torch'"),
     ("auto", dict(group_size=1, node_ids=[0]), "torch", "group of 1"),
-    ("auto", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
-    ("one_shot", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1]"),
+    ("auto", dict(node_ids=[0, 0, 1, 1]), "hierarchical", ""),  # see test_hierarchical_allreduce.py
+    ("one_shot", dict(node_ids=[0, 0, 1, 1]), "torch", "spans nodes [0, 1] (allreduce='one_shot'"),
     ("auto", dict(backend="nccl"), "torch", "backend 'nccl'"),
     ("auto", dict(is_supported_machine=False), "torch", "not x86-64"),
     ("auto", dict(group_size=72, node_ids=[0] * 72), "torch", "groups of 2 to 64 ranks, this group has 72"),

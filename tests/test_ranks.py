@@ -144,13 +144,17 @@ def test_failure_names_the_dead_rank_before_the_ranks_that_only_reported_errors(
 
 
 class _FakeGroup:
-    """What all_gather_object would return on four ranks (rank 2 sampled differently)."""
+    """Rank 0 of four ranks, rank 2 of which sampled differently: what gather_object returns
+    there, and a broadcast that hands back rank 0's verdict."""
 
     ranks = (0, 1, 2, 3)
     size = 4
 
-    def all_gather_object(self, value):
+    def gather_object(self, value):
         return [value, value, (value[0], 999), value]
+
+    def broadcast_object(self, value, src_in_group=0):
+        return value
 
 
 def test_token_divergence_names_the_rank():

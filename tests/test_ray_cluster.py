@@ -136,9 +136,10 @@ def test_two_node_cluster_placement_failures_and_cleanup(cluster_report):
         (driver, 0, 0, 2), (driver, 0, 1, 2), (worker, 1, 0, 2), (worker, 1, 1, 2)]
     # Plans: shared memory for rank 0's node, the CPU group for the other node.
     assert [h["plan_transport"] for h in health] == ["shm+cpu-group", "shm", "cpu-group", "cpu-group"]
-    # All-reduce: one-shot only in groups inside one node, i.e. the expert groups (0, 1) and (2, 3);
-    # tp (all four) and the expert-parallel groups (0, 2), (1, 3) span both nodes: torch.distributed.
-    assert [h["allreduce"] for h in health] == [dict(tp="torch", moe_tp="one_shot", moe_ep="torch")] * 4
+    # All-reduce: one-shot in groups inside one node, i.e. the expert groups (0, 1) and (2, 3); tp (all
+    # four, 2 + 2) spans both nodes: hierarchical (one-shot per node, leaders over gloo); the
+    # expert-parallel groups (0, 2), (1, 3) have one rank per node: torch.distributed.
+    assert [h["allreduce"] for h in health] == [dict(tp="hierarchical", moe_tp="one_shot", moe_ep="torch")] * 4
     # A hung rank (SIGSTOP) is named within failure_timeout_s by the driver's pings.
     assert packed["error_type"] == "RankFailure" and packed["error_ranks"] == [3], packed["error"]
     assert f"rank 3 (pid {health[3]['pid']}) on node 1 (Ray node {worker[:8]} at 127.0.0.1) died (no answer" \

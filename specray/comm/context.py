@@ -10,7 +10,7 @@ Group layout over the tp ranks (world size == tp_size; moe_tp * moe_ep == tp):
 | tp      | all ranks                                          | nccl or gloo   |
 | moe_tp  | the moe_tp ranks of expert group r // moe_tp       | nccl or gloo   |
 | moe_ep  | the moe_ep ranks with the same r % moe_tp          | nccl or gloo   |
-| cpu     | all ranks (geometry agreement, token checks)       | gloo           |
+| cpu     | all ranks (geometry agreement, token checks)       | gloo (tp on CPU) |
 | control | rank 0 and every rank off rank 0's node (plans)    | gloo           |
 
 Every group carries ``ParallelConfig.timeout_s``: a collective that waits longer on a dead or
@@ -32,6 +32,7 @@ from specray.comm.allreduce import make_reducer
 from specray.comm.group import SINGLE, Group, TorchGroup, partition_groups
 from specray.comm.rendezvous import Rendezvous, join_store, new_job_id
 from specray.config import ParallelConfig
+from specray.startup_phases import PhaseClock, timed
 
 
 def expert_partitions(tp_size: int, moe_tp: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -87,8 +88,14 @@ class DistContext:
 
     @classmethod
     def create(cls, rdzv: Rendezvous, parallel: ParallelConfig, device: str,
-               store: dist.Store | None = None) -> DistContext:
-        """Join the job's process groups (collective over every rank of the job)."""
+               store: dist.Store | None = None, clock: PhaseClock | None = None) -> DistContext:
+        """Join the job's process groups (collective over every rank of the job).
+
+        What a rank does here grows at most linearly with the world size: gloo connects a
+        pair of ranks only when they first talk (``TORCH_GLOO_LAZY_INIT``, set by the
+        launchers that own the rank process), node discovery is one gather to rank 0 and one
+        broadcast (never an all-gather, which gloo runs as a ring of world-size hops), and a
+        rank sets up shared memory only for the groups it belongs to."""
         if dist.is_initialized():
             raise RuntimeError("this process already holds a torch.distributed group: one rank per process")
         dev = torch.device(device)
@@ -97,27 +104,33 @@ class DistContext:
             torch.cuda.set_device(dev)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout_s = parallel.timeout_s
-        if store is None and rdzv.store_port is not None:
-            store = join_store(rdzv.store_host, rdzv.store_port, timeout_s)
-        init = dict(store=store) if store is not None else dict(init_method="env://")
-        dist.init_process_group(backend, rank=rdzv.rank, world_size=rdzv.world_size,
-                                timeout=timedelta(seconds=timeout_s), **init)
-        ranks = tuple(range(rdzv.world_size))
-        ctx = cls(rank=rdzv.rank, world_size=rdzv.world_size, local_rank=rdzv.local_rank,
-                  local_world_size=rdzv.local_world_size, device=dev, backend=backend, timeout_s=timeout_s,
-                  owns_process_group=True)
-        ctx.cpu = TorchGroup(ranks, rdzv.rank, "gloo", timeout_s)
-        ctx.tp = TorchGroup(ranks, rdzv.rank, backend, timeout_s, pg=dist.group.WORLD)
-        ctx._make_expert_groups(parallel.resolved_moe_sizes[0])
-        places = ctx.cpu.all_gather_object((rdzv.node_key, socket.gethostname()))
-        ctx.node_of_rank = node_ids([key for key, _ in places])
-        ctx.num_ranks_on_host = sum(host == places[rdzv.rank][1] for _, host in places)
-        ctx.node_id = ctx.node_of_rank[rdzv.rank]
-        ctx.job_id = ctx.cpu.broadcast_object(rdzv.job_id or new_job_id())
-        ctx._attach_reducers(parallel.allreduce)  # one-shot all-reduce where selection allows it
-        remote = tuple(r for r in ranks if ctx.node_of_rank[r] != ctx.node_of_rank[0])
-        ctx.control = partition_groups([(0, *remote)] + [(r,) for r in ranks if r and r not in remote],
-                                       rdzv.rank, "gloo", timeout_s)
+        with timed(clock, "process_groups"):
+            if store is None and rdzv.store_port is not None:
+                store = join_store(rdzv.store_host, rdzv.store_port, timeout_s)
+            init = dict(store=store) if store is not None else dict(init_method="env://")
+            dist.init_process_group(backend, rank=rdzv.rank, world_size=rdzv.world_size,
+                                    timeout=timedelta(seconds=timeout_s), **init)
+            ranks = tuple(range(rdzv.world_size))
+            ctx = cls(rank=rdzv.rank, world_size=rdzv.world_size, local_rank=rdzv.local_rank,
+                      local_world_size=rdzv.local_world_size, device=dev, backend=backend, timeout_s=timeout_s,
+                      owns_process_group=True)
+            ctx.tp = TorchGroup(ranks, rdzv.rank, backend, timeout_s, pg=dist.group.WORLD)
+            # On CPU the world group is gloo already: a second full-world gloo group would only
+            # double the connections.
+            ctx.cpu = ctx.tp if backend == "gloo" else TorchGroup(ranks, rdzv.rank, "gloo", timeout_s)
+            ctx._make_expert_groups(parallel.resolved_moe_sizes[0])
+        with timed(clock, "node_discovery"):
+            places = ctx.cpu.gather_object((rdzv.node_key, socket.gethostname()))
+            places, ctx.job_id = ctx.cpu.broadcast_object((places, rdzv.job_id or new_job_id()))
+            ctx.node_of_rank = node_ids([key for key, _ in places])
+            ctx.num_ranks_on_host = sum(host == places[rdzv.rank][1] for _, host in places)
+            ctx.node_id = ctx.node_of_rank[rdzv.rank]
+        with timed(clock, "allreduce_setup"):
+            ctx._attach_reducers(parallel.allreduce)  # one-shot all-reduce where selection allows it
+        with timed(clock, "process_groups"):
+            remote = tuple(r for r in ranks if ctx.node_of_rank[r] != ctx.node_of_rank[0])
+            ctx.control = partition_groups([(0, *remote)] + [(r,) for r in ranks if r and r not in remote],
+                                           rdzv.rank, "gloo", timeout_s)
         return ctx
 
     def _make_expert_groups(self, moe_tp: int) -> None:

@@ -7,6 +7,7 @@ nothing here is module-level state.
 
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 
 import torch
@@ -30,6 +31,10 @@ class Group:
         return x
 
     def all_gather_object(self, obj: object) -> list[object]:
+        return [obj]
+
+    def gather_object(self, obj: object) -> list[object] | None:
+        """Every member's ``obj`` in group order on the group's first rank, None elsewhere."""
         return [obj]
 
     def broadcast_object(self, obj: object, src_in_group: int = 0) -> object:
@@ -81,6 +86,30 @@ class TorchGroup(Group):
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def gather_object(self, obj: object) -> list[object] | None:
+        """Point-to-point sends to the first rank, which receives from all members at once.
+
+        Not ``dist.gather_object``: it sizes the messages with an all-gather, which gloo runs
+        as a ring of group-size hops, each waiting for one more process to be scheduled.
+        Here every member talks to the first rank only (one hop; with gloo's lazy
+        connections, one connection per member)."""
+        if self.size == 1:
+            return [obj]
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        root = self.ranks[0]
+        if self.rank_in_group != 0:
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=root, group=self.pg)
+            dist.send(payload, dst=root, group=self.pg)
+            return None
+        sizes = {r: torch.zeros(1, dtype=torch.int64) for r in self.ranks[1:]}
+        wait = timedelta(seconds=self.timeout_s)
+        for work in [dist.irecv(t, src=r, group=self.pg) for r, t in sizes.items()]:
+            work.wait(wait)
+        parts = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in sizes.items()}
+        for work in [dist.irecv(t, src=r, group=self.pg) for r, t in parts.items()]:
+            work.wait(wait)
+        return [obj] + [pickle.loads(parts[r].numpy().tobytes()) for r in self.ranks[1:]]
+
     def broadcast_object(self, obj: object, src_in_group: int = 0) -> object:
         box = [obj]
         dist.broadcast_object_list(box, src=self.ranks[src_in_group], group=self.pg)
@@ -111,3 +140,56 @@ def partition_groups(partition: list[tuple[int, ...]], my_rank: int, backend: st
     if mine is None:
         raise ValueError(f"rank {my_rank} is in no group of the partition {partition}")
     return mine
+
+
+class SubGroup(Group):
+    """Some ranks of a TorchGroup that talk point-to-point over its process group, without a
+    process group of their own: torch.distributed would make every rank of the job create
+    it (or agree on how many groups each holds), while a subset such as "the ranks of this
+    group on my node" is set up by its members alone. Object collectives only (set-up of
+    shared segments); a tag of its own keeps its messages apart from the parent's."""
+
+    TAG = 7
+
+    def __init__(self, parent: TorchGroup, ranks: tuple[int, ...], my_rank: int):
+        if not set(ranks) <= set(parent.ranks):
+            raise ValueError(f"ranks {ranks} must be a subset of the parent group's {parent.ranks}")
+        self.parent = parent
+        self.ranks = tuple(ranks)
+        self.rank_in_group = self.ranks.index(my_rank)
+
+    def _wait(self, works) -> None:
+        wait = timedelta(seconds=self.parent.timeout_s)
+        for work in works:
+            work.wait(wait)
+
+    def _send(self, obj: object, dst: int) -> list:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        pg = self.parent.pg
+        return [dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst, group=pg, tag=self.TAG),
+                dist.isend(payload, dst=dst, group=pg, tag=self.TAG)]
+
+    def _recv(self, sources: tuple[int, ...]) -> list[object]:
+        pg = self.parent.pg
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in sources]
+        self._wait([dist.irecv(t, src=r, group=pg, tag=self.TAG) for r, t in zip(sources, sizes)])
+        parts = [torch.empty(int(t.item()), dtype=torch.uint8) for t in sizes]
+        self._wait([dist.irecv(t, src=r, group=pg, tag=self.TAG) for r, t in zip(sources, parts)])
+        return [pickle.loads(p.numpy().tobytes()) for p in parts]
+
+    def gather_object(self, obj: object) -> list[object] | None:
+        if self.size == 1:
+            return [obj]
+        if self.rank_in_group != 0:
+            self._wait(self._send(obj, self.ranks[0]))
+            return None
+        return [obj] + self._recv(self.ranks[1:])
+
+    def broadcast_object(self, obj: object, src_in_group: int = 0) -> object:
+        if self.size == 1:
+            return obj
+        src = self.ranks[src_in_group]
+        if self.rank_in_group != src_in_group:
+            return self._recv((src,))[0]
+        self._wait([w for r in self.ranks if r != src for w in self._send(obj, r)])
+        return obj

@@ -92,6 +92,7 @@ class OneShotAllReduce:
         self.path = os.path.join(SHM_DIR, name)  # unlinked already; names the segment in messages and tests
         self._flags = memoryview(self._map).cast("B")[:HEADER_BYTES].cast("q")
         self._flag_index = [r * FLAG_STRIDE_BYTES // 8 for r in range(group.size)]
+        self._everyone = tuple(range(group.size))
         self._flags[self._flag_index[self.me] + 1] = os.getpid()  # the word after a flag: its rank's pid
         self._halves = {dtype: [self._half_view(half, dtype) for half in (0, 1)] for dtype in SUPPORTED_DTYPES}
         self._slot_views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
@@ -131,10 +132,7 @@ class OneShotAllReduce:
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """__call__ for an x the caller already checked with fits() (saves ~1 us a call)."""
-        if self._map is None:
-            raise RuntimeError(f"one-shot all-reduce over ranks {self.ranks} is closed")
-        if self._failure is not None:
-            raise RuntimeError(f"one-shot all-reduce over ranks {self.ranks} failed earlier: {self._failure}")
+        self._check_usable()
         if x.requires_grad and torch.is_grad_enabled():
             with torch.no_grad():  # like dist.all_reduce: no autograd graph through the shared slots
                 return self.reduce(x)  # (not entered by default: the context costs as much as the copy)
@@ -143,33 +141,78 @@ class OneShotAllReduce:
         slots = self._slots(x.dtype, x.shape)[n % 2]
         slots[self.me].copy_(x)
         self._flags[self._flag_index[self.me]] = n
-        self._wait_for_all(n)
+        self._wait_for(n, self._everyone)
+        self._sum_into(x, slots)
+        return x
+
+    @staticmethod
+    def _sum_into(x: torch.Tensor, slots: list[torch.Tensor]) -> None:
         torch.add(slots[0], slots[1], out=x)
         for slot in slots[2:]:
             x.add_(slot)
+
+    # reduce_to_first and broadcast_from_first run as a pair (the node steps of comm/hierarchical.py):
+    # the first rank's wait in each is what keeps a slower rank's half from being reused under it.
+    def reduce_to_first(self, x: torch.Tensor) -> torch.Tensor:
+        """The rank-order sum onto the group's first rank (in x, in place); the other ranks
+        only publish their input and return x unchanged. Next call: ``broadcast_from_first``."""
+        self._check_usable()
+        self.num_calls += 1
+        n = self.num_calls
+        slots = self._slots(x.dtype, x.shape)[n % 2]
+        slots[self.me].copy_(x)
+        self._flags[self._flag_index[self.me]] = n
+        if self.me == 0:
+            self._wait_for(n, self._everyone)
+            self._sum_into(x, slots)
         return x
 
-    def _arrived(self, n: int) -> bool:
-        flags = self._flags
-        return all(flags[i] >= n for i in self._flag_index)
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's first rank's x into x on every rank (bytes copied, not summed)."""
+        self._check_usable()
+        self.num_calls += 1
+        n = self.num_calls
+        slot = self._slots(x.dtype, x.shape)[n % 2][0]
+        if self.me == 0:
+            self._wait_for(n - 1, self._everyone)  # nobody still reads this half from call n - 2
+            slot.copy_(x)
+            self._flags[self._flag_index[0]] = n
+            return x
+        self._wait_for(n, (0,))
+        x.copy_(slot)
+        self._flags[self._flag_index[self.me]] = n
+        return x
 
-    def _wait_for_all(self, n: int) -> None:
-        spin_until(lambda: self._arrived(n), ALLREDUCE_WAIT, self.timeout_s, lambda: self._check_peers(n),
+    def _check_usable(self) -> None:
+        if self._map is None:
+            raise RuntimeError(f"one-shot all-reduce over ranks {self.ranks} is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"one-shot all-reduce over ranks {self.ranks} failed earlier: {self._failure}")
+
+    def _arrived(self, n: int, positions: tuple[int, ...]) -> bool:
+        flags, index = self._flags, self._flag_index
+        return all(flags[index[p]] >= n for p in positions)
+
+    def _wait_for(self, n: int, positions: tuple[int, ...]) -> None:
+        """Until the ranks at these group positions published call n (or raise)."""
+        spin_until(lambda: self._arrived(n, positions), ALLREDUCE_WAIT, self.timeout_s,
+                   lambda: self._check_peers(n, positions),
                    lambda waited: self._fail(n, f" within timeout_s={self.timeout_s} (dead, stuck, or calling "
-                                                f"collectives in another order)", TimeoutError))
+                                                f"collectives in another order)", TimeoutError, positions))
 
-    def _missing(self, n: int) -> list[int]:
-        """Group positions of the ranks that have not published call n."""
-        return [r for r, i in enumerate(self._flag_index) if self._flags[i] < n]
+    def _missing(self, n: int, positions: tuple[int, ...]) -> list[int]:
+        """Group positions (of ``positions``) of the ranks that have not published call n."""
+        return [p for p in positions if self._flags[self._flag_index[p]] < n]
 
-    def _check_peers(self, n: int) -> None:
-        gone = [(self.ranks[r], pid) for r in self._missing(n) if (pid := self._flags[self._flag_index[r] + 1])
-                and not is_alive(pid)]
+    def _check_peers(self, n: int, positions: tuple[int, ...]) -> None:
+        gone = [(self.ranks[p], pid) for p in self._missing(n, positions)
+                if (pid := self._flags[self._flag_index[p] + 1]) and not is_alive(pid)]
         if gone:
-            raise self._fail(n, ": " + "; ".join(f"rank {rank} (pid {pid}) has exited" for rank, pid in gone), PeerGone)
+            raise self._fail(n, ": " + "; ".join(f"rank {rank} (pid {pid}) has exited" for rank, pid in gone),
+                             PeerGone, positions)
 
-    def _fail(self, n: int, why: str, kind: type[Exception]) -> Exception:
-        missing = [self.ranks[r] for r in self._missing(n)]
+    def _fail(self, n: int, why: str, kind: type[Exception], positions: tuple[int, ...]) -> Exception:
+        missing = [self.ranks[p] for p in self._missing(n, positions)]
         self._failure = f"ranks {missing} did not arrive at one-shot all-reduce call {n} over ranks {self.ranks}{why}"
         return kind(self._failure)
 

@@ -96,7 +96,8 @@ def share_segment(group, num_bytes: int, job_id: str, purpose: str, needs_map: b
                 segment = attach_segment(name, num_bytes)
             except OSError as e:
                 error = f"rank {group.ranks[group.rank_in_group]} cannot map {os.path.join(SHM_DIR, name)}: {e}"
-        errors = [e for e in group.all_gather_object(error) if e is not None]
+        gathered = group.gather_object(error)  # to the creator, then its verdict to all: two hops
+        errors = group.broadcast_object(None if gathered is None else [e for e in gathered if e is not None])
     finally:
         if group.rank_in_group == 0 and name is not None:
             unlink_segment(name)

@@ -5,8 +5,12 @@ every rank checks that every other rank allocated the same thing.
 2. rank 0 decides (pure function ``decide``) and broadcasts the geometry or the error, so a
    bad configuration fails on every rank with the same message instead of hanging;
 3. each rank allocates from the broadcast geometry only;
-4. all ranks all-gather a fingerprint of what they allocated (read from the tensors), and any
-   difference stops start-up with an error naming the rank, the pool and the field.
+4. rank 0 gathers a fingerprint of what every rank allocated (read from the tensors) and
+   broadcasts its verdict: any difference stops start-up on every rank with an error naming
+   the rank, the pool and the field.
+
+Whatever the world size, that is four collectives, each a gather to rank 0 or a broadcast
+from it (one hop; never a gloo all-gather, whose ring takes world-size hops).
 """
 
 from __future__ import annotations
@@ -77,9 +81,9 @@ def check_fingerprints(fingerprints: list[dict[str, dict]]) -> None:
 
 def agree(group: Group, report: RankReport, kv: KVConfig, method: str | None, dtype: str) -> dict[str, PoolGeometry]:
     """Steps 1-2 (collective over the control group): every rank returns rank 0's decision."""
-    reports = group.all_gather_object(report)
+    reports = group.gather_object(report)
     decision: dict | str = {}
-    if group.rank_in_group == 0:
+    if reports is not None:
         try:
             decision = decide(reports, kv, method, dtype)
         except ValueError as e:
@@ -91,5 +95,14 @@ def agree(group: Group, report: RankReport, kv: KVConfig, method: str | None, dt
 
 
 def verify(group: Group, pools: dict[str, list[torch.Tensor]]) -> None:
-    """Step 4 (collective): every rank checks every rank's allocation."""
-    check_fingerprints(group.all_gather_object(fingerprint(pools)))
+    """Step 4 (collective): rank 0 checks every rank's allocation; every rank raises its verdict."""
+    fingerprints = group.gather_object(fingerprint(pools))
+    verdict = None
+    if fingerprints is not None:
+        try:
+            check_fingerprints(fingerprints)
+        except RuntimeError as e:
+            verdict = str(e)
+    verdict = group.broadcast_object(verdict)
+    if verdict is not None:
+        raise RuntimeError(verdict)

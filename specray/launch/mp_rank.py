@@ -57,7 +57,7 @@ def run_rank_process(conn_fd: int) -> int:
 
 def rank_main(config: EngineConfig, rdzv: Rendezvous, conn: Connection) -> None:
     try:
-        session = start_rank(config, rdzv)
+        session = start_rank(config, rdzv, owns_process=True)
         conn.send(RankReply("ready", geometry=session.worker.geometry, pid=os.getpid()))
         run_rank(session, config, lambda t: receive(conn, t), conn.send)
     except BaseException as e:  # report, then exit non-zero: the driver names this rank

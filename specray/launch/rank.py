@@ -25,6 +25,7 @@ from specray.executor.engine import EngineCore
 from specray.executor.loop import run_loop
 from specray.executor.outputs import LoopOutput
 from specray.launch.logs import configure_rank_logging
+from specray.startup_phases import PhaseClock
 from specray.workers.follower import follow
 from specray.workers.worker import RankWorker
 
@@ -43,21 +44,39 @@ class RankSession:
         self.ctx.close()
 
 
-def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None) -> RankSession:
-    """Collective over every rank of the job."""
+def start_rank(config: EngineConfig, rdzv: Rendezvous, store=None, owns_process: bool = False) -> RankSession:
+    """Collective over every rank of the job. ``owns_process``: the launcher started this
+    process for the rank (mp, Ray), so start-up may set process-wide gloo options (lazy
+    connections); under ``external`` the process is the user's and keeps its settings.
+    With SPECRAY_STARTUP_PROFILE_DIR set, the rank writes how long each phase took there."""
+    clock = PhaseClock()
     configure_rank_logging(rdzv.rank)
+    if owns_process:
+        connect_lazily()
     if config.device == "cpu":
         share_cpu_threads(rdzv.local_world_size)
-    ctx = DistContext.create(rdzv, config.parallel, config.device, store)
+    ctx = DistContext.create(rdzv, config.parallel, config.device, store, clock=clock)
     try:
-        worker = RankWorker(config, ctx)
-        worker.init_pools()
-        channel = open_channel(ctx)
+        with clock.phase("model_load"):
+            worker = RankWorker(config, ctx)
+        with clock.phase("geometry_agreement"):
+            worker.init_pools()
+        with clock.phase("plan_channel"):
+            channel = open_channel(ctx)
     except BaseException:
         ctx.close()
         raise
-    log.info("rank %d/%d on node %d ready (job %s)", ctx.rank, ctx.world_size, ctx.node_id, ctx.job_id)
+    clock.write(ctx.rank)
+    log.info("rank %d/%d on node %d ready (job %s): %s", ctx.rank, ctx.world_size, ctx.node_id, ctx.job_id,
+             ", ".join(f"{name} {s:.2f} s" for name, s in clock.phases.items()))
     return RankSession(ctx, worker, channel)
+
+
+def connect_lazily() -> None:
+    """gloo connects a pair of ranks when they first talk instead of every pair at start-up
+    (world size squared connections, most never used: a rank talks to its groups and to rank
+    0). An explicit TORCH_GLOO_LAZY_INIT in the environment wins."""
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
 def share_cpu_threads(num_local_ranks: int) -> None:

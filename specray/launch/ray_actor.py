@@ -23,6 +23,7 @@ from specray.comm.rendezvous import Rendezvous, host_store
 from specray.config import EngineConfig
 from specray.executor.loop import CloseLoop
 from specray.executor.outputs import AbortRequests, AddRequests, LoopOutput
+from specray.kv.agreement import fingerprint
 from specray.launch.local import drain
 from specray.launch.rank import run_rank, start_rank
 from specray.launch.ray_placement import cuda_ordinal
@@ -57,7 +58,7 @@ class RankActor:
         return self._store.port
 
     def setup(self, rdzv: Rendezvous):
-        self.session = start_rank(self.config, rdzv, store=self._store)
+        self.session = start_rank(self.config, rdzv, store=self._store, owns_process=True)
         self.state = "ready"
         return self.session.worker.geometry
 
@@ -111,12 +112,15 @@ class RankActor:
         ctx = s.ctx
         report.update(node_id=ctx.node_id, local_rank=ctx.local_rank, local_world_size=ctx.local_world_size,
                       device=str(ctx.device), plan_transport=getattr(s.channel, "transport", None),
-                      allreduce={name: _allreduce_path(getattr(ctx, name)) for name in ("tp", "moe_tp", "moe_ep")})
+                      allreduce={name: _allreduce_path(getattr(ctx, name)) for name in ("tp", "moe_tp", "moe_ep")},
+                      kv=fingerprint({name: pools for name, pools in (("target", s.worker.pools),
+                                                                       ("draft", s.worker.draft_pools)) if pools}))
         return report
 
 
 def _allreduce_path(group) -> str:
-    """'one_shot' when the group has a one-shot reducer (shared memory, one node), else 'torch'."""
+    """The group's fast path ('one_shot' inside a node, 'hierarchical' across nodes), else 'torch'."""
     if group.size == 1:
         return "none"
-    return "torch" if getattr(group, "reducer", None) is None else "one_shot"
+    reducer = getattr(group, "reducer", None)
+    return "torch" if reducer is None else reducer.path

@@ -29,8 +29,13 @@ def check_same_on_every_rank(group: Group, value: object, what: str) -> None:
     """Collective: raise on every rank when any rank's ``value`` differs from rank 0's."""
     if group.size == 1:
         return
-    values = group.all_gather_object(value)
-    bad = [group.ranks[i] for i, v in enumerate(values) if v != values[0]]
-    if bad:
-        shown = ", ".join(f"rank {r}: {values[group.ranks.index(r)]!r}" for r in bad[:4])
-        raise TokenDivergence(f"{what}: rank(s) {bad} differ from rank 0 ({values[0]!r}); {shown}")
+    values = group.gather_object(value)  # to rank 0, then its verdict to all: two hops, not a ring
+    verdict = None
+    if values is not None:
+        bad = [group.ranks[i] for i, v in enumerate(values) if v != values[0]]
+        if bad:
+            shown = ", ".join(f"rank {r}: {values[group.ranks.index(r)]!r}" for r in bad[:4])
+            verdict = f"{what}: rank(s) {bad} differ from rank 0 ({values[0]!r}); {shown}"
+    verdict = group.broadcast_object(verdict)
+    if verdict is not None:
+        raise TokenDivergence(verdict)

@@ -1,0 +1,99 @@
+"""Run by tests/test_ray_scale.py in a subprocess: the seed's deployment at its own shape on a
+simulated 4-node Ray cluster (``ray.cluster_utils.Cluster``, 4 logical CPUs per node, loopback):
+a tiny MoE target at TP16 with MoE TP4 x EP4 and a standalone DSpark drafter (published format)
+at target page size 64. Prints one JSON line of observations; the test asserts.
+
+Two jobs in one driver (a start-up costs most of the time on two cores):
+
+1. default kernels: every rank's pools and the tokens;
+2. the four ranks of the second node narrowed to {32} for the drafter kernel, through the
+   user's runtime_env: every rank's pools and the tokens; then a rank on the third node is
+   killed (SIGKILL) during decoding, and what is left behind afterwards.
+
+    python ray_scale_scenarios.py TARGET_DIR DRAFTER_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from ray_cluster_scenarios import _is_alive, hit_mid_call
+from faults import STEP_DIR_VAR
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray.comm.shm import leftover_segments
+from ray.util.placement_group import placement_group_table
+
+NODE = dict(num_cpus=4, object_store_memory=80 << 20, node_ip_address="127.0.0.1")
+NUM_NODES = 4
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41], [300, 9, 27, 1, 77]]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+FAILURE_TIMEOUT_S = 10.0
+NARROWED_NODE, KILLED_NODE = 1, 2  # the second and third nodes (ranks 4-7 and 8-11)
+
+
+def config(target: str, drafter: str | None, **parallel) -> EngineConfig:
+    spec = SpecConfig(method="dspark", draft_model=drafter, num_draft_tokens=3) if drafter else SpecConfig()
+    parallel = dict(dict(launcher="ray", timeout_s=120.0, failure_timeout_s=FAILURE_TIMEOUT_S, tp_size=16,
+                         moe_tp_size=4, moe_ep_size=4), **parallel)
+    return EngineConfig(model=target, kv=KVConfig(tokens_per_block=64, capacity_tokens=2048),
+                        parallel=ParallelConfig(**parallel), spec=spec)
+
+
+def run_job(target: str, drafter: str, runtime_env: dict | None = None) -> tuple[dict, LLM]:
+    start = time.monotonic()
+    llm = LLM(config(target, drafter, runtime_env=runtime_env))
+    started = time.monotonic()
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    health = llm.health()
+    return dict(startup_s=started - start, decode_s=time.monotonic() - started, tokens=tokens,
+                geometry={name: g.tokens_per_block for name, g in llm.geometry.items()},
+                ranks=[dict(rank=h["rank"], node_id=h["node_id"], ray_node_id=h["ray_node_id"], kv=h["kv"],
+                            allreduce=h["allreduce"], pid=h["pid"]) for h in health]), llm
+
+
+def leftovers(engine, pg) -> dict:
+    deadline = time.monotonic() + 20
+    alive = list(engine.pids)
+    while alive and time.monotonic() < deadline:  # Ray reaps killed actors asynchronously
+        alive = [pid for pid in alive if _is_alive(pid)]
+        time.sleep(0.1)
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return dict(live_pids=alive, actors=[n for n in named if n.startswith(f"specray-{engine.job_id}")],
+                pg_state=placement_group_table(pg)["state"], shm=leftover_segments(engine.job_id))
+
+
+def main(target: str, drafter: str) -> None:
+    os.environ[STEP_DIR_VAR] = tempfile.mkdtemp(prefix="specray-steps-")
+    begin = time.monotonic()
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args=dict(NODE, include_dashboard=False))
+    try:
+        nodes = [cluster.add_node(**NODE) for _ in range(NUM_NODES - 1)]
+        cluster.wait_for_nodes()
+        report = dict(nodes=[ray.get_runtime_context().get_node_id()] + [n.node_id for n in nodes])
+        report["default"], llm = run_job(target, drafter)
+        llm.close()
+        narrowed = [r for r in range(16) if r // 4 == NARROWED_NODE]
+        env = {"env_vars": {"SPECRAY_DRAFT_KERNEL_PAGE_SIZES": ";".join(f"{r}:32" for r in narrowed)}}
+        report["narrowed"], llm = run_job(target, drafter, runtime_env=env)
+        engine, pg = llm._engine, llm._engine._pg  # close forgets the group: keep it to ask Ray about it
+        victim = 4 * KILLED_NODE + 1
+        report["killed"] = dict(rank=victim, **hit_mid_call(llm, victim, signal.SIGKILL))
+        llm.close()
+        report["killed"].update(leftovers(engine, pg))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    report["total_s"] = time.monotonic() - begin
+    print(json.dumps(report, default=str))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

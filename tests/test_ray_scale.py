@@ -1,0 +1,95 @@
+"""The seed's deployment at its own shape, in the suite: TP16 with MoE TP4 x EP4 and a standalone
+DSpark drafter (published format) at target page size 64, over a simulated 4-node Ray cluster
+(4 logical CPUs per node, loopback; run in a subprocess, see tests/ray_scale_scenarios.py and
+test_ray_cluster.py for why).
+
+Parity: greedy speculative decoding equals plain greedy decoding of the target (the drafter
+only proposes; verification keeps the target's tokens), and 16 ranks equal one rank token
+for token (sums over ranks are fixed-order: test_ranks_mp.py says why that is exact here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from checkpoints import make_checkpoint
+from drafter_checkpoints import write_dspark
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from test_ray_cluster import RAY_ENV
+
+SCENARIOS = Path(__file__).with_name("ray_scale_scenarios.py")
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41], [300, 9, 27, 1, 77]]  # as in the scenarios
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, num_experts=8, vocab_size=512)
+"""16 heads for TP16, 8 experts for EP4 (2 per group), each expert's 32 columns split 4 ways."""
+
+
+def one_rank_tokens(target: Path, drafter: Path | None) -> list[list[int]]:
+    spec = SpecConfig(method="dspark", draft_model=str(drafter), num_draft_tokens=3) if drafter else SpecConfig()
+    with LLM(EngineConfig(model=str(target), kv=KVConfig(tokens_per_block=64, capacity_tokens=2048),
+                          spec=spec)) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def scale_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-scale")
+    target = make_checkpoint("qwen3_moe", root / "target", seed=5, **SHAPE)
+    drafter = write_dspark(root / "dspark", target)
+    ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # short: Ray's socket paths live under it
+    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp,
+               PYTHONPATH=os.pathsep.join([str(SCENARIOS.parent), *sys.path]))
+    try:
+        run = subprocess.run([sys.executable, str(SCENARIOS), str(target), str(drafter)], env=env,
+                             capture_output=True, text=True, timeout=560)
+    finally:
+        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    return report, one_rank_tokens(target, drafter), one_rank_tokens(target, None)
+
+
+def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list[int]]) -> list[str]:
+    """Assert one job's observations; return the Ray node of each specray node (0 to 3)."""
+    assert job["geometry"] == {"target": 64, "draft": draft_page}
+    ranks = job["ranks"]
+    # four ranks per node, rank 0's node the driver's; the others in Ray's (IP, node id) order
+    ray_nodes = [ranks[4 * n]["ray_node_id"] for n in range(4)]
+    assert ray_nodes[0] == nodes[0] and sorted(ray_nodes) == sorted(nodes)
+    assert [(h["rank"], h["node_id"], h["ray_node_id"]) for h in ranks] == [
+        (r, r // 4, ray_nodes[r // 4]) for r in range(16)]
+    assert all(h["kv"]["draft"]["tokens_per_block"] == draft_page for h in ranks)
+    assert all(h["kv"] == ranks[0]["kv"] for h in ranks), "the 16 ranks' fingerprints differ"
+    assert job["tokens"] == expected
+    # tp (16 ranks) and moe_ep (4, one per node) span nodes; moe_tp (4) sits in one node
+    assert all(h["allreduce"] == dict(tp="hierarchical", moe_tp="one_shot", moe_ep="torch") for h in ranks)
+    return ray_nodes
+
+
+@pytest.mark.timeout(600)  # 16 Ray workers each import torch: minutes on two loaded cores
+def test_tp16_moe_4x4_dspark_over_four_nodes(scale_report):
+    report, one_rank, plain = scale_report
+    nodes = report["nodes"]
+    assert len(set(nodes)) == 4
+    assert one_rank == plain, "speculative decoding on one rank must equal plain greedy decoding"
+    _check_job(report["default"], nodes, 64, plain)
+    # the second node's four ranks accept only 32 for the drafter kernel: all 16 ranks choose 32
+    ray_nodes = _check_job(report["narrowed"], nodes, 32, plain)
+
+    killed = report["killed"]
+    victim = killed["rank"]
+    pid = report["narrowed"]["ranks"][victim]["pid"]
+    assert killed["error_type"] == "RankFailure" and killed["error_ranks"] == [victim], killed["error"]
+    assert f"rank {victim} (pid {pid}) on node 2 (Ray node {ray_nodes[2][:8]} at 127.0.0.1) died" in killed["error"]
+    assert killed["error_after_s"] < 10.0  # failure_timeout_s of the scenarios
+    assert killed["live_pids"] == [] and killed["actors"] == [] and killed["shm"] == []
+    assert killed["pg_state"] == "REMOVED"
+    # No bound on report["total_s"]: on the shared two-core machine it ranged over minutes with
+    # other jobs' load (16 Ray workers each import torch); docs/scale.md records what was measured.
