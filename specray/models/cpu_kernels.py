@@ -51,7 +51,38 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-class CpuKernels:
+def _check(rc: int, what: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{what}: could not allocate its scratch")
+    if rc:
+        raise ValueError(f"{what}: more rows than small_gemm's limit")
+
+
+class FusedLayerKernels:
+    """The dense-layer blocks of ``fused_layer.c`` (see ``fused_decode.py``): every argument
+    is a contiguous tensor; ``layer``, ``shape`` and ``step`` are int64 address/shape tables."""
+
+    def attention_block(self, layer, shape, step, eps: float, scale: float, x: torch.Tensor,
+                        delta: torch.Tensor | None, delta_bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _check(self._attn_block(layer.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale, x.data_ptr(),
+                                _ptr(delta), _ptr(delta_bias), out.data_ptr()), "attention block")
+        return out
+
+    def mlp_block(self, layer, shape, eps: float, x: torch.Tensor, delta: torch.Tensor,
+                  delta_bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _check(self._mlp_block(layer.data_ptr(), shape.data_ptr(), eps, x.data_ptr(), delta.data_ptr(),
+                               _ptr(delta_bias), out.data_ptr()), "MLP block")
+        return out
+
+    def dense_layers(self, table, shape, step, eps: float, scale: float, x: torch.Tensor,
+                     scratch: torch.Tensor) -> None:
+        _check(self._layers(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
+                            x.data_ptr(), scratch.data_ptr()), "dense layers")
+
+
+class CpuKernels(FusedLayerKernels):
     """The loaded library's entry points, for float32 CPU tensors."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -71,6 +102,15 @@ class CpuKernels:
         self._rope = lib.specray_rope_store_kv
         self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
+        self._attn_block = lib.specray_attention_block
+        self._attn_block.argtypes = [ptr] * 3 + [f32, f32] + [ptr] * 4
+        self._attn_block.restype = ctypes.c_int
+        self._mlp_block = lib.specray_mlp_block
+        self._mlp_block.argtypes = [ptr] * 2 + [f32] + [ptr] * 4
+        self._mlp_block.restype = ctypes.c_int
+        self._layers = lib.specray_dense_layers
+        self._layers.argtypes = [i64] + [ptr] * 3 + [f32, f32] + [ptr] * 2
+        self._layers.restype = ctypes.c_int
         self.max_rows = lib.specray_small_gemm_max_rows()
         self.max_head_dim = lib.specray_max_head_dim()  # paged_attention's limit
 
