@@ -1,18 +1,23 @@
-"""The CPU linears before and after issue 18 (one copy per weight), in one process.
+"""A CPU rank's model step before and after issue 18, three ways in one process.
 
-    python -m benchmarks.bench_cpu_linears [--models smollm2-135m,mid-llama] [--rounds 5]
+    python -m benchmarks.bench_cpu_step [--models smollm2-135m,mid-llama] [--rounds 5]
 
-"before": what specray did until then, reproduced here: one row on BLAS (``F.linear``), 2-8
-rows on ``small_gemm``, more rows on a oneDNN-packed second copy of every weight (2x the
-weight memory). "after": ``layers.linear`` as it is now: one copy, ``small_gemm`` up to its
-row limit (the batch-1 GEMV included), ``panel_gemm`` beyond.
+- "before": what specray did until then, reproduced here, module by module: one row on BLAS
+  (``F.linear``), 2-8 rows on ``small_gemm``, more rows on a oneDNN-packed second copy of
+  every weight (2x the weight memory);
+- "modules": ``layers.linear`` as it is now, module by module (``SPECRAY_CPU_FUSED_LAYERS=0``):
+  one copy, ``small_gemm`` up to its row limit (the batch-1 GEMV included), ``panel_gemm``
+  beyond;
+- "fused": as specray runs now: decode and verify steps through ``fused_decode.py`` (one C
+  call over every layer at TP 1); prefill as "modules".
 
 Each step is one model forward plus the LM head on the last row of each sequence, float32,
 on the current torch threads: decode of 1, 4 and 8 sequences (1 row each, 128 tokens
 cached), verify of 4 sequences x 6 rows (k = 5), and prefill of one 128-token prompt. The
 two modes alternate within every round (the machine may be shared; its memory bandwidth
-swings), and the fastest of ``--rounds`` counts. Reported: after / before speed (> 1: faster
-now) and the weight bytes each mode holds.
+swings), and the fastest of ``--rounds`` counts. Reported: the speed of each mode over
+"before" (> 1: faster), the weight bytes each holds, and the GEMV floor of a batch-1 step
+(``torch.mv`` over every weight shape, as in bench_vs_transformers) in the same rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_vs_transformers import gemv_floor_ms, weight_shapes
 from specray.comm.context import DistContext
 from specray.models import layers
 from specray.models.attention import build_metadata
@@ -34,6 +40,7 @@ from specray.models.presets import resolve_model
 
 CONTEXT = 128  # tokens cached before a decode or verify step
 BLOCK = 16
+MODES = ("before", "modules", "fused")
 STEPS = {"decode x1": (1, 1), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
 
 
@@ -101,19 +108,25 @@ def bench_model(name: str, rounds: int) -> None:
     packed = packed_copies(model)
     packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
     steps = {label: make_step(model, *shape) for label, shape in STEPS.items()}
-    best = {(label, mode): float("inf") for label in STEPS for mode in ("before", "after")}
+    best = {(label, mode): float("inf") for label in STEPS for mode in MODES}
+    shapes = weight_shapes(model.arch)
+    floor = float("inf")
     for _ in range(rounds):
         for label, step in steps.items():
-            for mode in ("before", "after"):
+            for mode in MODES:
+                model.is_fused = mode == "fused"
                 with before_issue_18(packed) if mode == "before" else contextlib.nullcontext():
                     step()  # warm-up of this mode
                     best[label, mode] = min(best[label, mode], time_once(step))
+        floor = min(floor, gemv_floor_ms(shapes, repeats=1)[0])
+    model.is_fused = True
     print(f"\n{name}: weights {weight_bytes / 2**20:.0f} MiB; before {(weight_bytes + packed_bytes) / 2**20:.0f} MiB "
-          f"(+ packed copies), after {weight_bytes / 2**20:.0f} MiB")
-    print(f"{'step':12s} {'before ms':>10s} {'after ms':>10s} {'after speed / before':>22s}")
+          f"(+ packed copies), now {weight_bytes / 2**20:.0f} MiB; GEMV floor of a batch-1 step {floor:.2f} ms")
+    print(f"{'step':12s} {'before ms':>10s} {'modules ms':>11s} {'fused ms':>9s} {'modules/before':>15s} "
+          f"{'fused/before':>13s} {'floor/fused':>12s}")
     for label in STEPS:
-        b, a = best[label, "before"] * 1e3, best[label, "after"] * 1e3
-        print(f"{label:12s} {b:10.2f} {a:10.2f} {b / a:22.2f}")
+        b, m, f = (best[label, mode] * 1e3 for mode in MODES)
+        print(f"{label:12s} {b:10.2f} {m:11.2f} {f:9.2f} {b / m:15.2f} {b / f:13.2f} {floor / f:12.2f}")
 
 
 def main() -> None:
