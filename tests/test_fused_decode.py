@@ -10,7 +10,7 @@ from kernel_build import built_kernels
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.context import DistContext
-from specray.models import cpu_kernels, fused_decode
+from specray.models import cpu_kernels, decoder, fused_decode
 from specray.models.attention import build_metadata
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
@@ -53,7 +53,6 @@ def test_fused_steps_match_the_torch_path(model, block_size, kernels, monkeypatc
     calls = []
     real = fused_decode.fused_layers
     monkeypatch.setattr(fused_decode, "fused_layers", lambda *a: calls.append(1) or real(*a))
-    import specray.models.decoder as decoder
     monkeypatch.setattr(decoder, "fused_layers", fused_decode.fused_layers)
     for query_lens in ([1, 1, 1], [4, 1, 6]):  # decode; verify rows (k + 1) of differing k
         ids = torch.randint(0, arch.vocab_size, (sum(query_lens),), generator=gen)

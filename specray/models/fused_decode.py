@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from specray.models.attention import AttentionMetadata, _Plan
+from specray.models.attention import AttentionMetadata, step_plan
 from specray.models.cpu_kernels import CpuKernels, kernels_for
 
 NUM_LAYER_PTRS = 9  # the order of fused_layer.c's layer enum
@@ -38,14 +38,21 @@ def _addr(t: torch.Tensor | None) -> int:
 
 
 def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
-    """[num_layers, NUM_LAYER_PTRS] int64 addresses, in fused_layer.c's order."""
+    """[num_layers, NUM_LAYER_PTRS] int64 addresses, in fused_layer.c's order; built once per
+    set of pools (weights are loaded in place and never move; pools are allocated once)."""
+    key = tuple(p.data_ptr() for p in pools)
+    cached = getattr(model, "_fused_layer_table", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     rows = []
     for layer, pool in zip(model.layers, pools):
         attn, mlp = layer.self_attn, layer.mlp
         rows.append([_addr(layer.input_layernorm.weight), _addr(attn.qkv.weight), _addr(attn.qkv.bias),
                      _addr(attn.o_proj.weight), _addr(attn.o_proj.bias), _addr(layer.post_attention_layernorm.weight),
                      _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool)])
-    return torch.tensor(rows, dtype=torch.int64)
+    table = torch.tensor(rows, dtype=torch.int64)
+    model._fused_layer_table = (key, table)
+    return table
 
 
 def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: AttentionMetadata) -> CpuKernels | None:
@@ -69,10 +76,7 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor,
     arch, first = model.arch, model.layers[0]
     pools = pools[: arch.num_layers]
     block_size = pools[0].shape[3]
-    plan = meta.derived.get(("paged", block_size))
-    if plan is None:
-        plan = meta.derived[("paged", block_size)] = _Plan.build(meta, x, pools[0])
-    tables, context_lens, query_lens, q_starts = plan.kernel_args
+    tables, context_lens, query_lens, q_starts = step_plan(meta, x, pools[0]).kernel_args
     cos, sin = cos.contiguous(), sin.contiguous()
     step = torch.tensor([_addr(t) for t in (cos, sin, meta.slot_mapping, tables, context_lens, query_lens, q_starts)],
                         dtype=torch.int64)
