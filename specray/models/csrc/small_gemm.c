@@ -3,7 +3,8 @@
  *
  * At a few rows a linear layer is bound by reading w once from memory. On the 2-core CI
  * box BLAS's GEMV (torch.mv, F.linear at one row) reads w at 9-16 GB/s, and MKL and oneDNN
- * read it at 8-12 GB/s at 4-8 rows, against 20-35 GB/s for this kernel (docs/cpu-kernels.md).
+ * read it at 8-12 GB/s at 4-8 rows; streaming it a row at a time read it at 22-35 GB/s
+ * (docs/cpu-kernels.md, with what is still open about the batch-1 case).
  *
  * Each thread takes a contiguous range of w's rows (OpenMP static schedule over torch's
  * threads) and streams it: one row at a time at M = 1 (a single sequential stream), four
