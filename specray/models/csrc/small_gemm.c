@@ -7,8 +7,8 @@
  * (docs/cpu-kernels.md, with what is still open about the batch-1 case).
  *
  * Each thread takes a contiguous range of w's rows (OpenMP static schedule over torch's
- * threads) and streams it: one row at a time at M = 1 (a single sequential stream), four
- * rows at up to 4 rows of x, two beyond, every 16-float slice FMA'd into one accumulator per
+ * threads) and streams it: four rows of w at a time up to 4 rows of x (M = 1 included), two
+ * beyond, every 16-float slice FMA'd into one accumulator per
  * (row of x, row of w), with a software prefetch ahead of each stream. Past 8 rows of x the
  * same C rows of w serve every block of 8 rows of x while they sit in L1/L2, so w is read
  * from memory once whatever M is.
@@ -79,8 +79,8 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
-/* C rows of w per step (1 at M = 1: one sequential stream per thread; 4 up to 4 rows of x;
- * 2 beyond, at most 16 accumulators); the last N % C outputs one by one. */
+/* C rows of w per step (4 up to 4 rows of x; 2 beyond, at most 16 accumulators); the last
+ * N % C outputs one by one. */
 #define GROUPED(C)                                                                            \
     static void grouped_##C(const float *x, const float *w, const float *bias, float *y,     \
                             int64_t M, int64_t N, int64_t K) {                               \
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void block(
         for (int64_t n = 0; n < full; n += (C)) block((C), x, w, bias, y, n, M, N, K);       \
         for (int64_t n = full; n < N; ++n) block(1, x, w, bias, y, n, M, N, K);              \
     }
-GROUPED(1) GROUPED(2) GROUPED(4)
+GROUPED(2) GROUPED(4)
 
 int specray_small_gemm_max_rows(void) { return SMALL_GEMM_MAX_ROWS; }
 
@@ -97,8 +97,9 @@ int specray_small_gemm_max_rows(void) { return SMALL_GEMM_MAX_ROWS; }
 int specray_small_gemm(const float *x, const float *w, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K) {
     if (M < 1 || M > SMALL_GEMM_MAX_ROWS) return -1;
-    if (M == 1) grouped_1(x, w, bias, y, M, N, K);
-    else if (M <= 4) grouped_4(x, w, bias, y, M, N, K);
+    /* M = 1 too takes four rows of w at a time: one row at a time (grouped_1) measured 0.13-1.3x
+     * BLAS at load 3-5, four at a time 1.4-2x at load 2.4 (docs/cpu-kernels.md) */
+    if (M <= 4) grouped_4(x, w, bias, y, M, N, K);
     else grouped_2(x, w, bias, y, M, N, K);
     return 0;
 }
