@@ -20,8 +20,11 @@ def kernels():
     return built_kernels()
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize("n, k", [(64, 64), (33, 100), (1, 17), (130, 1024)])  # odd N, K off the 16-lane grid
+ODD_SHAPES = [(64, 64), (33, 100), (1, 17), (130, 1024), (7, 15), (67, 577)]  # N, K off the vector widths
+
+
+@pytest.mark.parametrize("rows", [*range(1, 10), 16, 17, 31, 32])
+@pytest.mark.parametrize("n, k", ODD_SHAPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_small_gemm_matches_torch(rows, n, k, has_bias, kernels):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -30,6 +33,47 @@ def test_small_gemm_matches_torch(rows, n, k, has_bias, kernels):
     # Tolerance: the kernel sums 16 lanes then the lanes (float32), BLAS in its own order;
     # for |x|, |w| ~ 1 and k <= 1024 the two agree to a few float32 ulps of sqrt(k).
     torch.testing.assert_close(kernels.small_gemm(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n, k", ODD_SHAPES + [(49152 // 3, 576)])  # and SmolLM2's LM head shard
+def test_the_batch_1_gemv_matches_torch_mv(n, k, kernels):
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(k, generator=gen), torch.randn(n, k, generator=gen)
+    # Tolerance: as above, two float32 summation orders of k products
+    torch.testing.assert_close(kernels.small_gemm(x[None], w, None)[0], torch.mv(w, x), rtol=1e-5, atol=1e-4)
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_a_batch(kernels):
+    # every row count sums each output in the same order: batching never changes a greedy token
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(kernels.max_rows, 577, generator=gen), torch.randn(131, 577, generator=gen)
+    batched = kernels.small_gemm(x, w, None)
+    for rows in (1, 3, 5, 8, 9, kernels.max_rows):
+        assert torch.equal(kernels.small_gemm(x[:rows], w, None), batched[:rows]), rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 33, 128])  # around the 6-row passes
+@pytest.mark.parametrize("n, k", ODD_SHAPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_panel_gemm_matches_torch(rows, n, k, has_bias, kernels):
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if has_bias else None
+    # Tolerance: the kernel sums the k products in order, BLAS in blocks: float32, as above
+    torch.testing.assert_close(kernels.panel_gemm(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32, 33, 128])
+def test_linear_takes_the_kernels_at_every_row_count(rows, monkeypatch, kernels):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    calls = []
+    for name in ("small_gemm", "panel_gemm"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    gen = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 40, generator=gen), torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    torch.testing.assert_close(layers.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert calls == ["small_gemm" if rows <= kernels.max_rows else "panel_gemm"]
 
 
 def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
@@ -48,8 +92,8 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
 
 
 def test_small_gemm_rejects_too_many_rows(kernels):
-    with pytest.raises(ValueError, match=r"takes 1..8 rows, not 9"):
-        kernels.small_gemm(torch.randn(9, 16), torch.randn(4, 16), None)
+    with pytest.raises(ValueError, match=rf"takes 1..{kernels.max_rows} rows, not {kernels.max_rows + 1}"):
+        kernels.small_gemm(torch.randn(kernels.max_rows + 1, 16), torch.randn(4, 16), None)
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 64), (5, 1024), (3, 100)])
@@ -70,7 +114,7 @@ def test_linear_falls_back_to_torch_without_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
-    torch.testing.assert_close(layers.linear(x, w, None, None), F.linear(x, w))
+    torch.testing.assert_close(layers.linear(x, w, None), F.linear(x, w))
 
 
 def test_kernel_can_be_turned_off(monkeypatch):
@@ -106,7 +150,7 @@ def test_rope_store_kv_matches_the_torch_path_bit_for_bit(kernels):
 def test_linear_with_mismatched_shapes_raises_torch_error():
     # the kernel must never read past a weight: a mismatch goes to torch, which names it
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        layers.linear(torch.randn(3, 8), torch.randn(4, 16), None, None)
+        layers.linear(torch.randn(3, 8), torch.randn(4, 16), None)
 
 
 def test_a_new_build_prunes_builds_unused_for_a_month(tmp_path):

@@ -102,10 +102,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     SDPA's causal kernel, one call per prompt; every other sequence (decode, verify rows)
     is served by one batched call over the pool: specray's C kernel reads the pages in place
     where it can (float32 on CPU), torch ops gather them otherwise."""
-    block_size = pool.shape[3]
-    plan = meta.derived.get(("paged", block_size))
-    if plan is None:
-        plan = meta.derived[("paged", block_size)] = _Plan.build(meta, q, pool)
+    plan = step_plan(meta, q, pool)
     if not plan.prompts:
         return plan.attend_cached(q, pool, scale)
     out = torch.empty_like(q)
@@ -114,6 +111,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     if plan.rows is not None:
         out[plan.rows] = plan.attend_cached(q[plan.rows], pool, scale)
     return out
+
+
+def step_plan(meta: AttentionMetadata, q: torch.Tensor, pool: torch.Tensor) -> _Plan:
+    """The step's plan for pools of this page size: built by the first layer, reused by the rest."""
+    key = ("paged", pool.shape[3])
+    plan = meta.derived.get(key)
+    if plan is None:
+        plan = meta.derived[key] = _Plan.build(meta, q, pool)
+    return plan
 
 
 def use_cpu_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuKernels | None:

@@ -1,8 +1,11 @@
 """specray's CPU kernels (``csrc/*.c``), built on first use and called through ctypes.
 
-- ``small_gemm``: a few rows (a batch of one token per sequence, or k + 1 verify rows)
-  times a weight. The time goes into reading the weight, which this kernel does at close to
-  streaming speed where MKL and oneDNN do not (see ``small_gemm.c``).
+- ``small_gemm``: one to a few dozen rows (the batch-1 GEMV, a batch of one token per
+  sequence, k + 1 verify rows) times a weight. The time goes into reading the weight, which
+  this kernel does at close to streaming speed where BLAS, MKL and oneDNN do not (see
+  ``small_gemm.c``).
+- ``panel_gemm``: more rows (prefill), packing the weight panel by panel as it goes, so the
+  model keeps one copy of each weight (see ``panel_gemm.c``).
 - ``rms_norm``, ``rope_store_kv`` and ``paged_attention``: the per-layer steps of decoding
   whose torch cost is the number of ops, fused into one call each (see ``decode_ops.c``).
 
@@ -48,7 +51,38 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-class CpuKernels:
+def _check(rc: int, what: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{what}: could not allocate its scratch")
+    if rc:
+        raise ValueError(f"{what}: more rows than small_gemm's limit")
+
+
+class FusedLayerKernels:
+    """The dense-layer blocks of ``fused_layer.c`` (see ``fused_decode.py``): every argument
+    is a contiguous tensor; ``layer``, ``shape`` and ``step`` are int64 address/shape tables."""
+
+    def attention_block(self, layer, shape, step, eps: float, scale: float, x: torch.Tensor,
+                        delta: torch.Tensor | None, delta_bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _check(self._attn_block(layer.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale, x.data_ptr(),
+                                _ptr(delta), _ptr(delta_bias), out.data_ptr()), "attention block")
+        return out
+
+    def mlp_block(self, layer, shape, eps: float, x: torch.Tensor, delta: torch.Tensor,
+                  delta_bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _check(self._mlp_block(layer.data_ptr(), shape.data_ptr(), eps, x.data_ptr(), delta.data_ptr(),
+                               _ptr(delta_bias), out.data_ptr()), "MLP block")
+        return out
+
+    def dense_layers(self, table, shape, step, eps: float, scale: float, x: torch.Tensor,
+                     scratch: torch.Tensor) -> None:
+        _check(self._layers(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
+                            x.data_ptr(), scratch.data_ptr()), "dense layers")
+
+
+class CpuKernels(FusedLayerKernels):
     """The loaded library's entry points, for float32 CPU tensors."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -56,6 +90,9 @@ class CpuKernels:
         self._gemm = lib.specray_small_gemm
         self._gemm.argtypes = [ptr] * 4 + [i64] * 3
         self._gemm.restype = ctypes.c_int
+        self._panel = lib.specray_panel_gemm
+        self._panel.argtypes = [ptr] * 4 + [i64] * 3
+        self._panel.restype = ctypes.c_int
         self._norm = lib.specray_rms_norm
         self._norm.argtypes = [ptr] * 3 + [i64] * 2 + [f32]
         self._norm.restype = None
@@ -65,22 +102,35 @@ class CpuKernels:
         self._rope = lib.specray_rope_store_kv
         self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
+        self._attn_block = lib.specray_attention_block
+        self._attn_block.argtypes = [ptr] * 3 + [f32, f32] + [ptr] * 4
+        self._attn_block.restype = ctypes.c_int
+        self._mlp_block = lib.specray_mlp_block
+        self._mlp_block.argtypes = [ptr] * 2 + [f32] + [ptr] * 4
+        self._mlp_block.restype = ctypes.c_int
+        self._layers = lib.specray_dense_layers
+        self._layers.argtypes = [i64] + [ptr] * 3 + [f32, f32] + [ptr] * 2
+        self._layers.restype = ctypes.c_int
         self.max_rows = lib.specray_small_gemm_max_rows()
         self.max_head_dim = lib.specray_max_head_dim()  # paged_attention's limit
 
-    def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``small_gemm`` takes this product of contiguous float32 CPU tensors (see
-        ``kernels_for``); anything else, a shape mismatch included, goes to torch, which checks
-        and raises."""
-        return x.dim() == 2 and 1 <= x.shape[0] <= self.max_rows and x.shape[1] == weight.shape[1]
-
     def small_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)`` for 1..max_rows rows."""
+        """``x @ weight.T (+ bias)`` for 1..max_rows rows (contiguous float32 CPU tensors, matching
+        shapes: the caller checks, as the kernel cannot)."""
         x = x.contiguous()
         rows, n = x.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         if self._gemm(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, weight.shape[1]):
             raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
+        return y
+
+    def panel_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` for any number of rows, packing the weight panel by panel."""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        if self._panel(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], weight.shape[0],
+                       weight.shape[1]):
+            raise MemoryError(f"panel_gemm could not allocate its panel buffers (K = {weight.shape[1]})")
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,9 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.models.arch import ModelArch
 from specray.models.attention import AttentionMetadata, paged_attention, write_kv
+from specray.models.block_attention import block_decode_attention
 from specray.models.cpu_kernels import kernels_for
+from specray.models.fused_decode import fused_kernels, fused_layers, fused_layers_enabled
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -178,6 +180,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
+        # fused_layers runs these kernels' maths; SPECRAY_CPU_FUSED_LAYERS=0 keeps the module path
+        self.is_fused = (kernel is paged_attention or kernel is block_decode_attention) and fused_layers_enabled()
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -195,6 +199,9 @@ class CausalLM(nn.Module):
         drafter's layers come last); the model uses the first ``num_layers``."""
         cos, sin = self.rotary(positions, max(meta.context_lens_list))
         x = self.embed_tokens(ids)
+        kernels = fused_kernels(self, x, pools, meta) if self.is_fused and not capture_layers else None
+        if kernels is not None:  # decode and verify on CPU: Python once per step (fused_decode.py)
+            return self.norm(fused_layers(self, kernels, x, cos, sin, pools, meta))
         captured = {}
         for i, (layer, pool) in enumerate(zip(self.layers, pools)):
             x = layer(x, cos, sin, pool, meta)

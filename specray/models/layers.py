@@ -30,31 +30,24 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-# CPU linears pick a kernel by row count:
-# - 1 row: BLAS's GEMV on the dense weight, which already streams it at memory speed;
-# - 2-8 rows (batched decode, k + 1 verify rows): specray's small-row kernel
-#   (cpu_kernels.small_gemm, when it could be built) on the dense weight;
-# - more rows (prefill), or from PACKED_MIN_ROWS without specray's kernel: a oneDNN copy of
-#   the weight packed once at load time. BLAS would re-pack the whole weight on every call,
-#   which doubles the memory traffic at a few rows (1024 x 5632 float32 at 8 rows on the
-#   2-core box: 2.15 ms re-packing, 1.06 ms packed once).
-PACKED_MIN_ROWS = 4
+# CPU linears keep one copy of each weight, as the checkpoint lays it out ([out, in]; no
+# packed second copy), and pick a kernel by row count when specray's kernels serve:
+# - up to SMALL_GEMM_MAX_ROWS rows (the batch-1 GEMV, batched decode, k + 1 verify rows):
+#   cpu_kernels.small_gemm, which streams the weight once (docs/cpu-kernels.md has the
+#   measurements against BLAS's GEMV, and what is still open about them);
+# - more rows (prefill, wide verify batches): cpu_kernels.panel_gemm, which packs panels of
+#   the weight into a per-thread buffer as it goes. BLAS repacks the whole weight on every
+#   call, which is why a oneDNN-packed copy used to be kept (docs/cpu-kernels.md).
+# Without the kernels (other dtypes, no compiler) torch's F.linear serves every shape.
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of a float32 CPU weight, or None where that does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    rows = x.shape[0] if x.dim() == 2 else 0
-    kernels = kernels_for(x, weight) if rows >= 2 else None
-    if kernels is not None and kernels.accepts(x, weight):
-        return kernels.small_gemm(x, weight, bias)
-    if packed is not None and rows >= PACKED_MIN_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    kernels = kernels_for(x, weight) if x.dim() == 2 else None
+    if kernels is not None and x.shape[1] == weight.shape[1] and x.shape[0] >= 1:
+        if bias is None or kernels_for(bias) is not None:
+            if x.shape[0] <= kernels.max_rows:
+                return kernels.small_gemm(x, weight, bias)
+            return kernels.panel_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -123,13 +116,9 @@ class ColumnParallelLinear(nn.Module):
         self.out_sizes = [s // group.size for s in out_sizes]
         self.weight = _empty(sum(self.out_sizes), in_size, dtype=dtype, device=device)
         self.bias = _empty(sum(self.out_sizes), dtype=dtype, device=device) if bias else None
-        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        return linear(x, self.weight, self.bias)
 
     def load(self, reader, names: list[str]) -> None:
         """One checkpoint tensor per merged part, each split by rows."""
@@ -179,13 +168,9 @@ class RowParallelLinear(nn.Module):
         self.in_shard = in_size // group.size
         self.weight = _empty(out_size, self.in_shard, dtype=dtype, device=device)
         self.bias = _empty(out_size, dtype=dtype, device=device) if bias else None
-        self.packed = None
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(linear(x, self.weight, None, self.packed))
+        y = self.group.all_reduce(linear(x, self.weight, None))
         return y + self.bias if self.bias is not None else y
 
     def load(self, reader, name: str) -> None:
@@ -224,11 +209,6 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the local vocab shard, gathered so every rank holds the full row."""
 
-    packed = None
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed)
+        logits = linear(hidden, self.weight, None)
         return self.group.all_gather(logits, dim=-1)[:, : self.vocab_size]

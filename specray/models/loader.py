@@ -98,7 +98,4 @@ def load_model(path: str | Path, ctx, dtype: str, kernel=paged_attention) -> Cau
     model = CausalLM(reader.arch, ctx, torch_dtype, kernel)
     model.load(reader)
     reader.close()
-    for module in model.modules():
-        if hasattr(module, "pack"):
-            module.pack()  # after loading (and tying): the packed copies follow the loaded weights
     return model.eval()

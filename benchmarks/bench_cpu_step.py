@@ -1,0 +1,157 @@
+"""A CPU rank's model step before and after issue 18, three ways in one process.
+
+    python -m benchmarks.bench_cpu_step [--models smollm2-135m,mid-llama] [--rounds 5]
+
+- "before": what specray did until then, reproduced here, module by module: one row on BLAS
+  (``F.linear``), 2-8 rows on ``small_gemm``, more rows on a oneDNN-packed second copy of
+  every weight (2x the weight memory);
+- "modules": ``layers.linear`` as it is now, module by module (``SPECRAY_CPU_FUSED_LAYERS=0``):
+  one copy, ``small_gemm`` up to its row limit (the batch-1 GEMV included), ``panel_gemm``
+  beyond;
+- "fused": as specray runs now: decode and verify steps through ``fused_decode.py`` (one C
+  call over every layer at TP 1); prefill as "modules".
+
+Each step is one model forward plus the LM head on the last row of each sequence, float32,
+on the current torch threads: decode of 1, 4 and 8 sequences (1 row each, 128 tokens
+cached), verify of 4 sequences x 6 rows (k = 5), and prefill of one 128-token prompt. The
+two modes alternate within every round (the machine may be shared; its memory bandwidth
+swings), and the fastest of ``--rounds`` counts. Reported: the speed of each mode over
+"before" (> 1: faster), the weight bytes each holds, and the GEMV floor of a batch-1 step
+(``torch.mv`` over every weight shape, as in bench_vs_transformers) in the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_vs_transformers import weight_shapes
+from specray.comm.context import DistContext
+from specray.models import layers
+from specray.models.attention import build_metadata
+from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models.loader import load_model
+from specray.models.presets import resolve_model
+
+CONTEXT = 128  # tokens cached before a decode or verify step
+BLOCK = 16
+MODES = ("before", "modules", "fused")
+STEPS = {"decode x1": (1, 1), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
+
+
+def packed_copies(model) -> dict[int, torch.Tensor]:
+    """The oneDNN-packed copy of every 2-d weight that specray kept until issue 18."""
+    packed = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.dim() == 2 and weight.data_ptr() not in packed:
+            packed[weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    return packed
+
+
+@contextlib.contextmanager
+def before_issue_18(packed: dict[int, torch.Tensor]):
+    """The old dispatch: 1 row on BLAS, 2-8 rows on small_gemm, more on the packed copy."""
+    kernels = load_cpu_kernels()
+    current = layers.linear
+
+    def old_linear(x, weight, bias):
+        rows = x.shape[0]
+        if kernels is not None and 2 <= rows <= 8:
+            return kernels.small_gemm(x, weight, bias)
+        if rows >= 4:
+            return torch.ops.mkldnn._linear_pointwise(x, packed[weight.data_ptr()], bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    layers.linear = old_linear
+    try:
+        yield
+    finally:
+        layers.linear = current
+
+
+def make_step(model, num_seqs: int, rows: int):
+    """A closure running one step of ``num_seqs`` sequences with ``rows`` new tokens each."""
+    arch = model.arch
+    prefill = rows > 1 and num_seqs == 1 and rows == 128
+    cached = 0 if prefill else CONTEXT
+    per_seq = -(-(cached + rows) // BLOCK)
+    pools = [torch.zeros(num_seqs * per_seq + 1, 2, model.num_local_kv_heads, BLOCK, arch.head_dim)
+             for _ in range(arch.num_layers)]
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(num_seqs)]
+    positions, meta = build_metadata(tables, BLOCK, [cached] * num_seqs, [rows] * num_seqs, torch.device("cpu"))
+    ids = torch.randint(0, arch.vocab_size, (num_seqs * rows,))
+    last = torch.arange(rows - 1, num_seqs * rows, rows)
+
+    def step():
+        meta.derived.clear()
+        hidden = model(ids, positions, pools, meta)
+        return model.logits(hidden[last])
+    return step
+
+
+def floor_inputs(shapes: list[tuple[int, int]]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """float32 matrices of every weight shape and a vector per width (bench_vs_transformers' floor)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen) for s in shapes], {c: torch.randn(c, generator=gen) for _, c in shapes}
+
+
+def gemv_pass_ms(weights: list[torch.Tensor], vectors: dict[int, torch.Tensor]) -> float:
+    """One pass of ``torch.mv`` over every weight: the GEMV floor of a batch-1 step."""
+    start = time.perf_counter()
+    for w in weights:
+        torch.mv(w, vectors[w.shape[1]])
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_once(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def bench_model(name: str, rounds: int) -> None:
+    model = load_model(resolve_model(name), DistContext.single(), "float32")
+    weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    packed = packed_copies(model)
+    packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
+    steps = {label: make_step(model, *shape) for label, shape in STEPS.items()}
+    best = {(label, mode): float("inf") for label in STEPS for mode in MODES}
+    floor_weights, floor = floor_inputs(weight_shapes(model.arch)), float("inf")
+    for _ in range(rounds):
+        for label, step in steps.items():
+            for mode in MODES:
+                model.is_fused = mode == "fused"
+                with before_issue_18(packed) if mode == "before" else contextlib.nullcontext():
+                    step()  # warm-up of this mode
+                    best[label, mode] = min(best[label, mode], time_once(step))
+        floor = min(floor, gemv_pass_ms(*floor_weights))
+    model.is_fused = True
+    print(f"\n{name}: weights {weight_bytes / 2**20:.0f} MiB; before {(weight_bytes + packed_bytes) / 2**20:.0f} MiB "
+          f"(+ packed copies), now {weight_bytes / 2**20:.0f} MiB; GEMV floor of a batch-1 step {floor:.2f} ms")
+    print(f"{'step':12s} {'before ms':>10s} {'modules ms':>11s} {'fused ms':>9s} {'modules/before':>15s} "
+          f"{'fused/before':>13s} {'floor/fused':>12s}")
+    for label in STEPS:
+        b, m, f = (best[label, mode] * 1e3 for mode in MODES)
+        print(f"{label:12s} {b:10.2f} {m:11.2f} {f:9.2f} {b / m:15.2f} {b / f:13.2f} {floor / f:12.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m,mid-llama")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()}")
+    for name in args.models.split(","):
+        bench_model(name, args.rounds)
+    print(f"load average after {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

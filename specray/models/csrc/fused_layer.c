@@ -1,0 +1,104 @@
+/* The decode and verify step of a dense Llama-style layer in two calls, the tensor-parallel
+ * all-reduces between them staying with the caller (see fused_decode.py):
+ *
+ *   attention block: x += delta (+ bias)   the previous MLP's reduced output, if any
+ *                    h = rms_norm(x); qkv = h Wqkv^T (+ b); RoPE; k, v into the pool;
+ *                    o = paged_attention(q); out = o Wo^T        (this rank's partial sum)
+ *   MLP block:       x += delta (+ bias)   the attention's reduced output (+ o_proj's bias)
+ *                    h = rms_norm(x); g, u = h Wgu^T; out = (silu(g) * u) Wdown^T
+ *
+ * and specray_dense_layers runs every layer with both blocks in one call where there is no
+ * all-reduce (a tensor-parallel group of one). The steps are the kernels of small_gemm.c and
+ * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void specray_rms_norm(const float *x, const float *weight, float *y, int64_t rows, int64_t dim, float eps);
+int specray_small_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
+                           const int64_t *slots, int64_t block_size);
+void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
+                             const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
+                             int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
+                             float scale, int causal, float *out);
+
+/* One layer's tensors, as addresses (NULL: no such bias). */
+enum { INPUT_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, DOWN_W, POOL, NUM_LAYER_PTRS };
+/* The step's shape. */
+enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SEQS, WIDTH, CAUSAL, NUM_SHAPE };
+/* The step's metadata, as addresses: cos, sin [ROWS, HEAD_DIM] float; the rest int64. */
+enum { COS, SIN, SLOTS, BLOCK_TABLES, CONTEXT_LENS, QUERY_LENS, Q_STARTS, NUM_STEP_PTRS };
+
+#define F(p) ((float *)(intptr_t)(p))
+
+static void add_delta(float *x, const float *delta, const float *bias, int64_t rows, int64_t hidden) {
+    if (!delta) return;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < hidden; ++i) /* (delta + bias) first: the torch path adds the bias to the reduced sum */
+            x[r * hidden + i] += bias ? delta[r * hidden + i] + bias[i] : delta[r * hidden + i];
+}
+
+/* Returns 0, -1 when scratch could not be had, -2 when the rows are past small_gemm's limit. */
+int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
+                            float scale, float *x, const float *delta, const float *delta_bias, float *out) {
+    const int64_t M = shape[ROWS], H = shape[HIDDEN], heads = shape[HEADS], kv = shape[KV_HEADS];
+    const int64_t dim = shape[HEAD_DIM], qkv_size = (heads + 2 * kv) * dim;
+    float *h = malloc(sizeof(float) * M * (H + qkv_size + 2 * heads * dim + kv * dim));
+    if (!h) return -1;
+    float *qkv = h + M * H, *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
+    add_delta(x, delta, delta_bias, M, H);
+    specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
+    int rc = specray_small_gemm(h, F(layer[QKV_W]), F(layer[QKV_B]), qkv, M, qkv_size, H);
+    if (!rc) {
+        float *pool = F(layer[POOL]);
+        specray_rope_store_kv(qkv, F(step[COS]), F(step[SIN]), M, heads, kv, dim, q, k, pool,
+                              (const int64_t *)step[SLOTS], shape[BLOCK_SIZE]);
+        specray_paged_attention(q, pool, (const int64_t *)step[BLOCK_TABLES], shape[WIDTH],
+                                (const int64_t *)step[CONTEXT_LENS], (const int64_t *)step[QUERY_LENS],
+                                (const int64_t *)step[Q_STARTS], shape[NUM_SEQS], heads, kv, shape[BLOCK_SIZE],
+                                dim, scale, (int)shape[CAUSAL], o);
+        rc = specray_small_gemm(o, F(layer[O_W]), NULL, out, M, H, heads * dim);
+    }
+    free(h);
+    return rc ? -2 : 0;
+}
+
+int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, float *x, const float *delta,
+                      const float *delta_bias, float *out) {
+    const int64_t M = shape[ROWS], H = shape[HIDDEN], I = shape[INTER];
+    float *h = malloc(sizeof(float) * M * (H + 3 * I));
+    if (!h) return -1;
+    float *gate_up = h + M * H, *act = gate_up + 2 * M * I;
+    add_delta(x, delta, delta_bias, M, H);
+    specray_rms_norm(x, F(layer[POST_NORM]), h, M, H, eps);
+    int rc = specray_small_gemm(h, F(layer[GATE_UP_W]), NULL, gate_up, M, 2 * I, H);
+    if (!rc) {
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t i = 0; i < I; ++i) {
+                const float g = gate_up[r * 2 * I + i];
+                act[r * I + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * I + I + i];
+            }
+        rc = specray_small_gemm(act, F(layer[DOWN_W]), NULL, out, M, H, I);
+    }
+    free(h);
+    return rc ? -2 : 0;
+}
+
+/* Every layer, both blocks, no all-reduce between them (a group of one); on return x holds
+ * the residual stream after the last layer. scratch: [2, ROWS, HIDDEN] floats. */
+int specray_dense_layers(int64_t num_layers, const int64_t *layers, const int64_t *shape, const int64_t *step,
+                         float eps, float scale, float *x, float *scratch) {
+    const int64_t size = shape[ROWS] * shape[HIDDEN];
+    float *attn = scratch, *mlp = scratch + size;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t *layer = layers + l * NUM_LAYER_PTRS;
+        int rc = specray_attention_block(layer, shape, step, eps, scale, x, l ? mlp : NULL, NULL, attn);
+        if (!rc) rc = specray_mlp_block(layer, shape, eps, x, attn, F(layer[O_B]), mlp);
+        if (rc) return rc;
+    }
+    add_delta(x, mlp, NULL, shape[ROWS], shape[HIDDEN]);
+    return 0;
+}

@@ -1,0 +1,102 @@
+"""The decode and verify step of a dense model on a CPU rank in as few calls as possible.
+
+Python runs once per step: it checks the step can take this path, lays out the step's
+metadata and each layer's tensors as address tables, then either makes one C call over every
+layer (a tensor-parallel group of one) or, per layer, two C calls with the two all-reduces of
+the layer between them, visible here as in the torch path:
+
+| call                   | computes (csrc/fused_layer.c)                              | then          |
+|------------------------|------------------------------------------------------------|---------------|
+| attention block        | x += delta; norm; qkv; RoPE + K/V store; paged attention; o | all_reduce(tp) |
+| MLP block              | x += o (+ o bias); norm; gate_up; silu * up; down          | all_reduce(tp) |
+
+The path serves float32 CPU steps where specray's kernels are built, every layer is dense
+(no MoE), has no q/k norm, and no sequence in the step is a whole prompt (prompts go to
+SDPA); rows up to small_gemm's limit; no captured layers (drafters conditioned on the
+target). Everything else takes the module-by-module torch path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specray.models.attention import AttentionMetadata, step_plan
+from specray.models.cpu_kernels import CpuKernels, kernels_for
+
+NUM_LAYER_PTRS = 9  # the order of fused_layer.c's layer enum
+
+
+def fused_layers_enabled() -> bool:
+    """False where ``SPECRAY_CPU_FUSED_LAYERS=0`` asks for the module-by-module path."""
+    return os.environ.get("SPECRAY_CPU_FUSED_LAYERS", "1").strip() != "0"
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
+    """[num_layers, NUM_LAYER_PTRS] int64 addresses, in fused_layer.c's order; built once per
+    set of pools (weights are loaded in place and never move; pools are allocated once)."""
+    key = tuple(p.data_ptr() for p in pools)
+    cached = getattr(model, "_fused_layer_table", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = []
+    for layer, pool in zip(model.layers, pools):
+        attn, mlp = layer.self_attn, layer.mlp
+        rows.append([_addr(layer.input_layernorm.weight), _addr(attn.qkv.weight), _addr(attn.qkv.bias),
+                     _addr(attn.o_proj.weight), _addr(attn.o_proj.bias), _addr(layer.post_attention_layernorm.weight),
+                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool)])
+    table = torch.tensor(rows, dtype=torch.int64)
+    model._fused_layer_table = (key, table)
+    return table
+
+
+def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: AttentionMetadata) -> CpuKernels | None:
+    """specray's kernels when this step can take the fused path, else None."""
+    arch = model.arch
+    if arch.moe_layers or arch.family.has_qk_norm or len(pools) < arch.num_layers:
+        return None
+    kernels = kernels_for(x, pools[0])
+    if kernels is None or x.shape[0] > kernels.max_rows or arch.head_dim > kernels.max_head_dim:
+        return None
+    if any(meta.causal and n == c for n, c in zip(meta.query_lens, meta.context_lens_list)):
+        return None  # a whole prompt: SDPA serves it
+    layer = model.layers[0]
+    tensors = [layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, *pools[: arch.num_layers]]
+    return kernels if all(kernels_for(t) is not None for t in tensors) else None
+
+
+def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 pools: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    """The residual stream after the last layer (x is updated in place and returned)."""
+    arch, first = model.arch, model.layers[0]
+    pools = pools[: arch.num_layers]
+    block_size = pools[0].shape[3]
+    tables, context_lens, query_lens, q_starts = step_plan(meta, x, pools[0]).kernel_args
+    cos, sin = cos.contiguous(), sin.contiguous()
+    step = torch.tensor([_addr(t) for t in (cos, sin, meta.slot_mapping, tables, context_lens, query_lens, q_starts)],
+                        dtype=torch.int64)
+    attn = first.self_attn
+    shape = torch.tensor([x.shape[0], arch.hidden_size, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim,
+                          first.mlp.down.in_shard, block_size, tables.shape[0], tables.shape[1], int(meta.causal)],
+                         dtype=torch.int64)
+    table = _layer_table(model, pools)
+    eps, scale = arch.rms_norm_eps, attn.scale
+    group = attn.o_proj.group
+    if group.size == 1:
+        scratch = torch.empty(2, *x.shape)
+        kernels.dense_layers(table, shape, step, eps, scale, x, scratch)
+        return x
+    delta = None
+    for i in range(arch.num_layers):
+        layer = table[i]
+        o = kernels.attention_block(layer, shape, step, eps, scale, x, delta, None)
+        o = group.all_reduce(o)
+        m = kernels.mlp_block(layer, shape, eps, x, o, model.layers[i].self_attn.o_proj.bias)
+        delta = group.all_reduce(m)
+    x += delta
+    return x
