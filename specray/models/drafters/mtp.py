@@ -168,7 +168,4 @@ def load_mtp_drafter(path: Path, num_draft_tokens: int, ctx: DistContext, dtype:
         drafter.load(reader)
     finally:
         reader.close()
-    for module in drafter.modules():
-        if hasattr(module, "pack"):
-            module.pack()  # as the target's layers: the packed copies follow the loaded weights
     return drafter.eval()
