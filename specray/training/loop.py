@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -185,9 +186,10 @@ def _steps(cfg, out, trainee, optimizer, target, train_set, val_set, step, histo
                                 elapsed_s=elapsed0 + time.perf_counter() - started,
                                 **evaluate(cfg, trainee, target, val_set, len(train_set))))
             window = []
-            bar.write(f"step {step}: train loss {history[-1]['train_loss']:.3f}, val loss "
+            tqdm.write(f"step {step}: train loss {history[-1]['train_loss']:.3f}, val loss "
                       f"{history[-1]['val_loss']:.3f}, val acceptance length (teacher-forced) "
-                      f"{history[-1]['val_acceptance_length']:.3f}")
+                      f"{history[-1]['val_acceptance_length']:.3f}", file=sys.stdout)
+            sys.stdout.flush()  # visible at once when stdout is a file (a log of a long run)
             save(out, cfg, trainee, optimizer, step, history)
     bar.close()
     if history[-1]["step"] == 0:  # nothing trained (steps already reached): still write the drafter
