@@ -152,3 +152,38 @@ def test_resume_after_a_kill_at_a_checkpoint_ends_where_an_unbroken_run_ends(tar
     assert b["step"] == 12 and [h["step"] for h in b["history"]] == [0, 6, 12]
     for name, tensor in a["trainee"].items():
         torch.testing.assert_close(b["trainee"][name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_written_drafter_loads_in_the_reference_implementation_with_equal_drafts(target, tmp_path, method):
+    """Reference check: the references read what train-drafter wrote and draft what specray drafts."""
+    import torch.nn.functional as F
+    from checkpoints import load_reference
+    from drafter_checkpoints import empty_pools, load, propose, target_features
+
+    from specray.comm.context import DistContext
+    from specray.workers.worker import load_model
+
+    out = tmp_path / method
+    train(dataclasses.replace(smoke_config(target, method, out, steps=4), self_distill_tokens=0))
+    model, hf = load_model(target, DistContext.single(), "float32"), load_reference(target)
+    drafter = load(method, out, model, k=3)
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    num_layers = 1 if method == "eagle3" else len(drafter.layers)
+    drafts, _ = propose(drafter, tokens, features, 3, empty_pools(drafter, num_layers))
+    if method == "eagle3":
+        from test_drafter_formats import eagle3_reference
+
+        ref_drafts, _ = eagle3_reference(out, hf, tokens, features, 3)
+    else:
+        from dflash.model import DFlashDraftModel
+
+        ref = DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32, attn_implementation="sdpa").eval()
+        n = ref.block_size
+        with torch.no_grad():
+            block = torch.tensor([[tokens[-1]] + [ref.mask_token_id] * (n - 1)])
+            hidden = ref(target_hidden=features[None], noise_embedding=F.embedding(block, hf.model.embed_tokens.weight),
+                         position_ids=torch.arange(0, len(tokens) - 1 + n)[None])[:, 1 - n:]
+            ref_drafts = ref.compute_logits(hidden, hf.lm_head)[0].argmax(-1)[:3].tolist()
+    assert drafts == ref_drafts
