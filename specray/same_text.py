@@ -109,15 +109,17 @@ def load_prefixes(path: str | None, num: int, tokenizer) -> list[list[int]]:
     return prefixes
 
 
-def run_prefixes(config, prefixes: list[list[int]], output_len: int, env=()) -> list:
-    """Greedy ``output_len`` tokens for each prefix, one request at a time (batch 1)."""
+def run_prefixes(config, prefixes: list[list[int]], output_len: int, env=()) -> tuple[list, dict]:
+    """(outputs, page size of each pool as agreed): greedy ``output_len`` tokens for each
+    prefix, one request at a time (batch 1)."""
     from specray.config import SamplingParams
     from specray.llm import LLM
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     with environment(env), LLM(config) as llm:
         llm.generate([prefixes[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-        return [llm.generate([p], params)[0] for p in prefixes]
+        pages = {name: g.tokens_per_block for name, g in llm.geometry.items()}
+        return [llm.generate([p], params)[0] for p in prefixes], pages
 
 
 def summarize(outputs: list, plain: list, seed: int = 0) -> dict:
@@ -151,7 +153,8 @@ def compare(a: dict, b: dict, seed: int = 0) -> dict:
 
 def format_report(name: str, s: dict) -> str:
     positions = " ".join(f"{r:.2f}" for r in s["acceptance_per_position"])
-    lines = [f"{name}: {s['num_prefixes']} prefixes",
+    pages = ", ".join(f"{pool} pages of {size}" for pool, size in s.get("page_sizes", {}).items())
+    lines = [f"{name}: {s['num_prefixes']} prefixes" + (f" ({pages})" if pages else ""),
              f"  acceptance length (tokens per verify step), mean over prefixes with 95% bootstrap interval: "
              f"{s['acceptance_length'].describe()}; pooled over steps {s['acceptance_length_pooled']:.3f}",
              f"  per-position acceptance: {positions or '-'}",

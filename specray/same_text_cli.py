@@ -50,9 +50,11 @@ def run_same_text(args: argparse.Namespace) -> int:
     if args.prefixes is None or not _all_token_ids(args.prefixes):
         tokenizer = load_tokenizer(resolve_model(configs[0].model, configs[0].seed))
     prefixes = st.load_prefixes(args.prefixes, args.num_prefixes, tokenizer)
-    plain = st.run_prefixes(dataclasses.replace(configs[0], spec=SpecConfig()), prefixes, args.output_len)
-    reports = [st.summarize(st.run_prefixes(c, prefixes, args.output_len, v.env), plain, seed=args.seed or 0)
-               for c, v in zip(configs, variants)]
+    plain, _ = st.run_prefixes(dataclasses.replace(configs[0], spec=SpecConfig()), prefixes, args.output_len)
+    reports = []
+    for config, variant in zip(configs, variants):
+        outputs, pages = st.run_prefixes(config, prefixes, args.output_len, variant.env)
+        reports.append(dict(st.summarize(outputs, plain, seed=args.seed or 0), page_sizes=pages))
     print(f"{configs[0].model}: {len(prefixes)} prefixes, {args.output_len} greedy tokens each, batch 1")
     for name, variant, config, report in zip("ab", variants, configs, reports):
         label = f"{name} ({config.spec.method}, k={config.spec.num_draft_tokens}{', ' + variant.text if variant.text else ''})"

@@ -83,9 +83,9 @@ def test_speculative_outputs_equal_plain_and_a_config_paired_with_itself_differs
     base = EngineConfig(model=str(target), dtype="float32")
     spec = EngineConfig(model=str(target), dtype="float32", spec=SpecConfig(method="ngram", num_draft_tokens=3,
                                                                             prompt_lookup_min=2))
-    plain = run_prefixes(base, PREFIXES, 16)
-    a = summarize(run_prefixes(spec, PREFIXES, 16), plain)
-    b = summarize(run_prefixes(spec, PREFIXES, 16), plain)
+    plain, _ = run_prefixes(base, PREFIXES, 16)
+    a = summarize(run_prefixes(spec, PREFIXES, 16)[0], plain)
+    b = summarize(run_prefixes(spec, PREFIXES, 16)[0], plain)
     assert a["share_equal_to_plain"] == 1.0 and not a["first_mismatch"]
     assert a["acceptance_length"].low <= a["acceptance_length"].mean <= a["acceptance_length"].high
     assert len(a["acceptance_per_position"]) == 3
@@ -106,6 +106,7 @@ def test_cli_same_text_pairs_dflash_draft_pages_32_and_64(target, tmp_path, caps
     assert code == 0, text
     report = json.loads(out.read_text())
     assert [r["share_equal_to_plain"] for r in report["reports"]] == [1.0, 1.0]
+    assert [r["page_sizes"]["draft"] for r in report["reports"]] == [32, 64]  # the variants took effect
     diff = report["comparison"]["acceptance_length_difference"]
     # DFlash's drafts do not depend on the page size of its pool: the same acceptance, prefix by prefix
     assert diff["mean"] == 0.0 and diff["low"] <= 0.0 <= diff["high"]
