@@ -5,6 +5,7 @@ steps and at the end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -134,6 +135,9 @@ def train(cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False) ->
     arch = read_model_arch(model_path)
     layers = cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(arch.num_layers)
     check_feature_layers(tuple(layers), arch.num_layers, cfg.method)  # before any output is touched
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("train-drafter plots its loss and acceptance with matplotlib, which is not installed: "
+                         "pip install 'specray[bench]'")
     prepare_out(out, overwrite, resume)
     state = _resumed_state(out, cfg) if resume else None
     train_set, val_set = load_data(cfg, model_path, is_byte_level=is_preset(cfg.target) or Path(model_path).is_dir())
