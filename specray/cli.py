@@ -1,4 +1,4 @@
-"""`specray generate | chat | serve | bench`.
+"""`specray generate | chat | serve | bench | train-drafter`.
 
 The engine and sampling flags are declared once (``add_engine_arguments``,
 ``add_sampling_arguments``) and shared by every subcommand; ``engine_config_from_args``
@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="draw tok/s against batch size (plain and, with --spec, "
                        "speculative decoding, which runs both) and the per-position acceptance rate")
     bench.set_defaults(run=run_bench)
+    from specray.same_text_cli import add_same_text_arguments
+    from specray.training.cli import add_train_drafter_parser
+
+    add_same_text_arguments(bench)
+    add_train_drafter_parser(commands)
     return parser
 
 
@@ -271,6 +276,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from specray.models.loader import read_model_arch
     from specray.models.presets import resolve_model
 
+    if args.same_text:
+        from specray.same_text_cli import run_same_text
+
+        return run_same_text(args)
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     bench = bench_lib.BenchConfig(input_len=args.input_len, output_len=args.output_len,
