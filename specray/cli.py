@@ -10,6 +10,7 @@ config dataclasses and print as one ``error: ...`` line with exit code 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -114,6 +115,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         dspark_confidence_threshold=args.dspark_confidence_threshold),
     )
+
+
+def config_from_flags(flags: list[str], base: argparse.Namespace) -> EngineConfig:
+    """``base``'s engine flags with ``flags`` (e.g. ``["--num-draft-tokens", "5"]``) applied on top."""
+    parser = _Parser(prog="specray", add_help=False)
+    add_engine_arguments(parser)
+    return engine_config_from_args(parser.parse_args(flags, namespace=copy.copy(base)))
 
 
 def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
@@ -279,7 +287,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.same_text:
         from specray.same_text_cli import run_same_text
 
-        return run_same_text(args)
+        return run_same_text(args, config_from_flags)
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     bench = bench_lib.BenchConfig(input_len=args.input_len, output_len=args.output_len,

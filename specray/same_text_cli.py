@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -24,16 +23,9 @@ def add_same_text_arguments(bench: argparse.ArgumentParser) -> None:
                    help="configuration b, compared with a prefix by prefix (paired)")
 
 
-def _variant_config(args: argparse.Namespace, variant):
-    """The EngineConfig of the command line's engine flags with the variant's flags applied."""
-    from specray.cli import _Parser, add_engine_arguments, engine_config_from_args
-
-    parser = _Parser(prog="specray bench --same-text variant", add_help=False)
-    add_engine_arguments(parser)
-    return engine_config_from_args(parser.parse_args(list(variant.flags), namespace=copy.copy(args)))
-
-
-def run_same_text(args: argparse.Namespace) -> int:
+def run_same_text(args: argparse.Namespace, config_from_flags) -> int:
+    """``config_from_flags(flags, args)``: the EngineConfig of the command line's engine flags with
+    a variant's flags applied (the CLI provides it: this module does not import the CLI)."""
     from specray.config import SpecConfig
     from specray.models.presets import resolve_model
     from specray.models.tokenizer import load_tokenizer
@@ -41,7 +33,7 @@ def run_same_text(args: argparse.Namespace) -> int:
 
     variants = [st.parse_variant(args.variant_a)] + ([st.parse_variant(args.variant_b)]
                                                        if args.variant_b is not None else [])
-    configs = [_variant_config(args, v) for v in variants]
+    configs = [config_from_flags(list(v.flags), args) for v in variants]
     if not configs[0].spec.is_enabled:
         raise ValueError("--same-text compares speculative decoding with plain decoding: pass --spec METHOD")
     if configs[0].dtype != "float32":
