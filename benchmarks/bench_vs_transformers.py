@@ -6,8 +6,8 @@
 (transformers dequantizes it to float32, as specray does) and run the same chat-formatted
 HumanEval prompts cut to exactly ``--input-len`` tokens (equal lengths: transformers needs no
 padding). ``mid-llama`` is the random-weight preset (156M parameters) with random prompts.
-Greedy, exactly ``output_len`` new tokens on both sides (transformers: ``min_new_tokens ==
-max_new_tokens``; specray: ``ignore_eos``).
+Greedy, exactly ``output_len`` new tokens on both sides (transformers: no EOS in its
+generation config; specray: ``ignore_eos``): EOS may be generated and does not stop either.
 
 The machine may be shared, so the two sides alternate: each of ``--repeats`` rounds runs
 specray, then transformers, then the GEMV probe, and the fastest run of each counts (the one
@@ -93,7 +93,7 @@ def gemv_floor_ms(shapes: list[tuple[int, int]], repeats: int = 5) -> tuple[floa
 def _hf_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, pad_token_id=0)
+                         pad_token_id=0)
     return out[:, ids.shape[1]:], time.perf_counter() - start
 
 
@@ -106,6 +106,9 @@ def load_transformers(path: Path):
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.generation_config.temperature = model.generation_config.top_p = None  # greedy: silence sampling warnings
+    # Run to max_new_tokens as specray's ignore_eos does: EOS may be generated and does not stop.
+    # (min_new_tokens would instead forbid EOS until then and so change the tokens.)
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
