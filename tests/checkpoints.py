@@ -41,3 +41,22 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def prefill_logits(path, prompt: list[int]) -> torch.Tensor:
+    """specray's logits for every position of ``prompt`` (one rank, float32, 16-token pages):
+    the model run directly on fresh pools, for logits comparisons with transformers."""
+    from specray.comm.context import DistContext
+    from specray.models.attention import AttentionMetadata
+    from specray.models.loader import load_model
+
+    model = load_model(path, DistContext.single("cpu"), "float32")
+    block = 16
+    num_blocks = -(-len(prompt) // block)
+    pools = [torch.zeros(num_blocks, 2, model.num_local_kv_heads, block, model.arch.head_dim)
+             for _ in range(model.arch.num_layers)]
+    positions = torch.arange(len(prompt))
+    meta = AttentionMetadata(slot_mapping=positions, block_tables=torch.arange(num_blocks)[None, :],
+                             context_lens=torch.tensor([len(prompt)]), query_lens=[len(prompt)])
+    with torch.inference_mode():
+        return model.logits(model(torch.tensor(prompt), positions, pools, meta))

@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import load_reference, make_checkpoint, reference_greedy
+from checkpoints import load_reference, make_checkpoint, prefill_logits, reference_greedy
 from specray import LLM, EngineConfig, KVConfig, SamplingParams
-from specray.comm.context import DistContext
-from specray.models.attention import AttentionMetadata
-from specray.workers.worker import load_model
 
 PROMPT_LENS = (3, 41, 97, 200)  # end mid-page for every page size tested
 NEW_TOKENS = 72  # 200 + 72 crosses two 128-token page boundaries
@@ -56,16 +53,8 @@ def test_logits_close_to_transformers(family_case):
     # rotation, mask or shard) moves them by > 1e-2.
     directory, prompts, _, reference = family_case
     prompt = prompts[2]
-    model = load_model(directory, DistContext.single("cpu"), "float32")
-    block = 16
-    num_blocks = -(-len(prompt) // block)
-    pools = [torch.zeros(num_blocks, 2, model.num_local_kv_heads, block, model.arch.head_dim)
-             for _ in range(model.arch.num_layers)]
-    positions = torch.arange(len(prompt))
-    meta = AttentionMetadata(slot_mapping=positions, block_tables=torch.arange(num_blocks)[None, :],
-                             context_lens=torch.tensor([len(prompt)]), query_lens=[len(prompt)])
+    ours = prefill_logits(directory, prompt)
     with torch.inference_mode():
-        ours = model.logits(model(torch.tensor(prompt), positions, pools, meta))
         theirs = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 

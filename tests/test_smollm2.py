@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints import prefill_logits
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.models.presets import resolve_model
 
@@ -79,22 +80,10 @@ def test_logits_close_to_transformers(reference):
     # differently by a few ulp; over 30 layers that stays below 1e-3 on logits of magnitude
     # ~40 (measured on the 8 prompts: at most 2.6e-4), while a wrong permutation, shard or norm
     # moves them by whole units.
-    from specray.comm.context import DistContext
-    from specray.models.attention import AttentionMetadata
-    from specray.workers.worker import load_model
-
     model_hf, _, prompts, _ = reference
     prompt = prompts[7]
-    model = load_model(resolve_model("smollm2-135m"), DistContext.single("cpu"), "float32")
-    block = 16
-    num_blocks = -(-len(prompt) // block)
-    pools = [torch.zeros(num_blocks, 2, model.num_local_kv_heads, block, model.arch.head_dim)
-             for _ in range(model.arch.num_layers)]
-    positions = torch.arange(len(prompt))
-    meta = AttentionMetadata(slot_mapping=positions, block_tables=torch.arange(num_blocks)[None, :],
-                             context_lens=torch.tensor([len(prompt)]), query_lens=[len(prompt)])
+    ours = prefill_logits(resolve_model("smollm2-135m"), prompt)
     with torch.inference_mode():
-        ours = model.logits(model(torch.tensor(prompt), positions, pools, meta))
         theirs = model_hf(torch.tensor([prompt])).logits[0]
     assert theirs.abs().max() > 10
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
