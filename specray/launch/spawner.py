@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 
+from specray.comm.spin import is_alive
+
 STATUS = struct.Struct("q")  # as rank_server writes it
 
 
@@ -38,7 +40,7 @@ class RankProcess:
             data = _read_exactly(self.sentinel, STATUS.size)
             if len(data) == STATUS.size:
                 self._exitcode = STATUS.unpack(data)[0]
-            elif not _pid_exists(self.pid):
+            elif not is_alive(self.pid):
                 self._exitcode = "ended; its exit code was lost with the rank server"
         return self._exitcode
 
@@ -139,13 +141,3 @@ def _read_exactly(fd: int, size: int) -> bytes:
             break
         data += chunk
     return data
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
