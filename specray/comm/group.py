@@ -119,7 +119,13 @@ class TorchGroup(Group):
         dist.barrier(group=self.pg)
 
     def close(self) -> None:
+        """Drop the reducer and this object's hold on the process group. Once
+        ``destroy_process_group`` has run too, the last reference goes and the group's worker
+        threads are joined now, on this thread, rather than during interpreter shutdown: there
+        a gloo worker still finishing a collective would need the GIL, and a thread taking the
+        GIL while Python finalizes is killed, which aborts the process (torch 2.13)."""
         self.reducer = None
+        self.pg = None
 
 
 def partition_groups(partition: list[tuple[int, ...]], my_rank: int, backend: str, timeout_s: float) -> Group:
