@@ -357,3 +357,36 @@ def test_a_checkpoint_of_the_other_method_is_rejected(target, tmp_path):
     with pytest.raises(ValueError, match=r"is a DFlashDraftModel checkpoint \(a dflash drafter\), but spec method "
                                          r"'eagle3' needs one of \['Eagle3Speculator', 'LlamaForCausalLMEagle3'\]"):
         load("eagle3", path, model)
+
+
+@pytest.mark.parametrize("method, make, edit, error", [
+    ("eagle3", "eagle3", dict(target_hidden_size=32), "target hidden states of size 32"),
+    ("eagle3", "eagle3", dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}), r"outputs \[4\], outside"),
+    ("dflash", "dflash", dict(hidden_size=32), "hidden_size 32 but the target has 64"),
+    ("dspark", "dspark", dict(block_size=2), r"num_draft_tokens \(3\) must be <= block_size \(2\)"),
+    ("eagle3", "dflash", {}, "is a DFlashDraftModel checkpoint"),
+    ("mtp", None, {}, "has none: its config.json has neither num_nextn_predict_layers"),
+    ("draft_model", None, dict(vocab_size=256), "vocab_size 256 but the target has 384"),
+])
+def test_the_driver_rejects_a_drafter_before_any_rank_starts(target, tmp_path, monkeypatch, method, make, edit, error):
+    """A drafter that cannot fit the target fails on the driver from its config.json, before
+    the ranks start and load the target (here: starting them is an error of its own)."""
+    from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SpecConfig
+    from specray.launch import mp
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("the ranks were started for a drafter the driver could have rejected")
+
+    monkeypatch.setattr(mp, "MPEngine", no_ranks)
+    target_dir = target[0]
+    if make is not None:
+        draft = _edit_config(WRITERS[make](tmp_path / make, target_dir), **edit)
+    elif method == "draft_model":
+        draft = _edit_config(Path(shutil.copytree(target_dir, tmp_path / "draft")), **edit)
+    else:
+        draft = None  # mtp reads the target's own checkpoint, which has no MTP modules
+    spec = SpecConfig(method=method, num_draft_tokens=3, draft_model=None if draft is None else str(draft))
+    config = EngineConfig(model=str(target_dir), spec=spec, kv=KVConfig(capacity_tokens=1024),
+                          parallel=ParallelConfig(tp_size=2, launcher="mp"))
+    with pytest.raises(ValueError, match=error):
+        LLM(config)

@@ -3,8 +3,8 @@
 ``start_engine`` returns an engine handle with ``generate``, ``geometry``, ``close`` and (all
 but ``external``'s followers) ``client``, the driver's side of rank 0's engine loop
 (``executor/client.py``) that ``LLM`` and ``AsyncLLM`` use.
-The mapping (does the model split over these ranks?) is validated here, on the driver,
-before any process or process group starts.
+The mapping (does the model split over these ranks?) and the drafter's fit to the target
+are validated here, on the driver, before any process or process group starts.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from specray.config import EngineConfig
 from specray.envs import torchrun_env_present
 from specray.launch.mapping import validate_mapping
+from specray.models.drafters import check_drafter
 from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model
 
@@ -33,6 +34,7 @@ def start_engine(config: EngineConfig):
     """Start the ranks and return an engine handle with generate / geometry / close."""
     launcher = resolve_launcher(config)
     arch = read_model_arch(resolve_model(config.model, config.seed))
+    check_drafter(config, arch)  # a drafter that cannot fit fails here, before any rank loads the target
     if launcher == "external":
         from specray.launch.external import start_external
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from specray.comm.context import DistContext
 from specray.config import EngineConfig
+from specray.models.arch import ModelArch
 from specray.models.presets import drafter_preset_name, is_preset, resolve_model
 
 
@@ -38,6 +41,46 @@ def drafter_checkpoint(config: EngineConfig) -> Path:
     return resolve_model(drafter_preset_name(config.model, spec.method), config.seed)
 
 
+def _checkpoint_of(config: EngineConfig) -> Path:
+    """The checkpoint a drafter of ``config`` reads (not for ``ngram``, which reads none)."""
+    spec = config.spec
+    if spec.method == "mtp":  # the target's own checkpoint, unless draft_model names a copy with MTP weights
+        from specray.models.drafters.mtp import mtp_checkpoint
+
+        draft = None if spec.draft_model is None else resolve_model(spec.draft_model, config.seed)
+        return mtp_checkpoint(resolve_model(config.model, config.seed), draft)
+    return drafter_checkpoint(config)
+
+
+def check_drafter(config: EngineConfig, target: ModelArch) -> None:
+    """Check the drafter of ``config`` against the target without loading a weight: its
+    format, and what must fit the target (hidden size, vocabulary, aux layers, draft length;
+    for MTP every tensor's name and shape, from the checkpoint's header). The driver runs it
+    before any rank starts, so a bad drafter fails in a moment rather than after every rank
+    has loaded the target; the ranks check the same again as they load, plus every tensor."""
+    spec = config.spec
+    if spec.method in (None, "ngram"):
+        return
+    path = _checkpoint_of(config)
+    if spec.method == "draft_model":
+        from specray.models.drafters.draft_model import check_vocabulary
+
+        check_vocabulary(path, target)
+    elif spec.method == "mtp":
+        from specray.models.drafters.mtp import read_mtp
+        from specray.models.loader import CheckpointReader
+
+        reader = CheckpointReader(path, torch.float32, torch.device("cpu"))
+        try:
+            read_mtp(path, target, reader)
+        finally:
+            reader.close()
+    else:
+        from specray.models.drafters.published import read_published_format
+
+        read_published_format(spec.method, path, target, spec.num_draft_tokens, spec.dspark_confidence_threshold)
+
+
 def build_drafter(config: EngineConfig, ctx: DistContext, target):
     """The drafter for ``config.spec.method`` on this rank, or None for plain decoding."""
     spec = config.spec
@@ -47,13 +90,7 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
         from specray.models.drafters.ngram import NgramDrafter
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "mtp":  # the target's own checkpoint, unless draft_model names a copy with MTP weights
-        from specray.models.drafters.mtp import mtp_checkpoint
-
-        draft = None if spec.draft_model is None else resolve_model(spec.draft_model, config.seed)
-        path = mtp_checkpoint(resolve_model(config.model, config.seed), draft)
-    else:
-        path = drafter_checkpoint(config)
+    path = _checkpoint_of(config)
     if spec.method == "draft_model":
         from specray.models.drafters.draft_model import DraftModelDrafter
 

@@ -17,6 +17,7 @@ from specray.kv.geometry import KVLayout
 from specray.models.loader import load_model, read_model_arch
 from specray.models.block_attention import block_decode_attention
 from specray.models.decoder import CausalLM
+from specray.models.arch import ModelArch
 from specray.models.attention import build_metadata
 from specray.models.drafters.common import Choose, DraftBatch, last_rows
 
@@ -33,10 +34,7 @@ class DraftModelDrafter(nn.Module):
 
     @classmethod
     def load(cls, path, ctx: DistContext, dtype: str, target: CausalLM) -> DraftModelDrafter:
-        vocab_size = read_model_arch(path).vocab_size
-        if vocab_size != target.arch.vocab_size:
-            raise ValueError(f"draft model {str(path)!r} has vocab_size {vocab_size} but the target has "
-                             f"{target.arch.vocab_size}; a draft model must share the target's vocabulary")
+        check_vocabulary(path, target.arch)
         return cls(load_model(path, ctx, dtype, kernel=block_decode_attention))
 
     def _forward(self, batch: DraftBatch, ids: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
@@ -56,3 +54,11 @@ class DraftModelDrafter(nn.Module):
             starts = [len(s.tokens) - 1 + j for s in seqs]
             drafts.append(choose(self._forward(batch, drafts[-1].tolist(), starts, [1] * len(seqs)), j))
         return torch.stack(drafts, dim=1)
+
+
+def check_vocabulary(path, target: ModelArch) -> None:
+    """A draft model proposes target token ids: it must share the target's vocabulary."""
+    vocab_size = read_model_arch(path).vocab_size
+    if vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {str(path)!r} has vocab_size {vocab_size} but the target has "
+                         f"{target.vocab_size}; a draft model must share the target's vocabulary")

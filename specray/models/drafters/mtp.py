@@ -40,7 +40,7 @@ from torch import nn
 
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
-from specray.models.arch import arch_from_hf_config
+from specray.models.arch import ModelArch, arch_from_hf_config
 from specray.models.attention import build_metadata
 from specray.models.decoder import CausalLM, DecoderLayer
 from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, last_rows
@@ -149,22 +149,26 @@ def mtp_checkpoint(model_path: Path, draft_model: Path | None) -> Path:
     return Path(path)
 
 
-def load_mtp_drafter(path: Path, num_draft_tokens: int, ctx: DistContext, dtype: str, target: CausalLM) -> MTPDrafter:
-    """The MTP drafter of checkpoint ``path`` (the target's own, or a copy with MTP weights) on this rank."""
+def read_mtp(path: Path, target: ModelArch, reader: CheckpointReader) -> MTPFormat:
+    """The MTP modules of checkpoint ``path``, checked against the target and tensor by tensor
+    (names and shapes from the checkpoint's header: no weight is read)."""
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"mtp checkpoint {str(path)!r} has no config.json")
     cfg = json.loads(file.read_text())
-    source = str(path)
+    if "SpecrayMTPDrafter" in (cfg.get("architectures") or []):
+        arch = target  # read_mtp_format stops with the deprecation error first
+    else:
+        arch = arch_from_hf_config(cfg, source=str(file))
+    return read_mtp_format(cfg, arch, target, reader, str(path))
+
+
+def load_mtp_drafter(path: Path, num_draft_tokens: int, ctx: DistContext, dtype: str, target: CausalLM) -> MTPDrafter:
+    """The MTP drafter of checkpoint ``path`` (the target's own, or a copy with MTP weights) on this rank."""
     torch_dtype = getattr(torch, dtype)
     reader = CheckpointReader(path, torch_dtype, ctx.device)
     try:
-        if "SpecrayMTPDrafter" in (cfg.get("architectures") or []):
-            arch = target.arch  # read_mtp_format stops with the deprecation error first
-        else:
-            arch = arch_from_hf_config(cfg, source=str(file))
-        fmt = read_mtp_format(cfg, arch, target.arch, reader, source)
-        drafter = MTPDrafter(fmt, target, ctx, torch_dtype, num_draft_tokens)
+        drafter = MTPDrafter(read_mtp(path, target.arch, reader), target, ctx, torch_dtype, num_draft_tokens)
         drafter.load(reader)
     finally:
         reader.close()
