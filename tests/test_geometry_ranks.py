@@ -29,11 +29,12 @@ def launcher(request):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch, tp, launcher):
-    # Rank r offers (r + 1) x 0.0005 of the free memory, split between the tp ranks on this host
-    # (~2-20 MB here); every rank must allocate what the smallest offer holds. A 25% band absorbs
-    # free memory moving between the ranks' readings while still telling the minimum (x1) from
-    # any other offer (>= x2).
-    monkeypatch.setenv("SPECRAY_KV_MEMORY_FRACTION", ";".join(f"{r}:{0.0005 * (r + 1)}" for r in range(tp)))
+    # Rank r offers 4^r x 0.0005 of the free memory, split between the tp ranks on this host
+    # (~2 MB and up here); every rank must allocate what the smallest offer holds. Free memory
+    # moves between the test's reading and the ranks' own (on a busy machine by a quarter and
+    # more: other jobs start and end), so the band is wide, [0.5, 2] x the minimum, and the
+    # offers 4x apart: the next offer would need free memory to double to land in the band.
+    monkeypatch.setenv("SPECRAY_KV_MEMORY_FRACTION", ";".join(f"{r}:{0.0005 * 4 ** r}" for r in range(tp)))
     expected = 0.0005 * available_memory_bytes(torch.device("cpu")) / tp
     with LLM(_config(tp, launcher)) as llm:
         (name, geometry), = llm.geometry.items()
@@ -41,7 +42,7 @@ def test_ranks_with_different_memory_fractions_allocate_the_minimum(monkeypatch,
     # tiny-llama: 4 kv heads over tp ranks, 4 layers, head_dim 32, float32, 16-token pages
     assert geometry.num_kv_heads == 4 // tp
     assert geometry.block_bytes == 2 * 4 * (4 // tp) * 16 * 32 * 4
-    assert 0.75 * expected <= geometry.num_bytes <= 1.25 * expected
+    assert 0.5 * expected <= geometry.num_bytes <= 2 * expected
     assert len(out[0].token_ids) == 4  # the agreed pools serve
 
 
@@ -106,7 +107,8 @@ def test_eight_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
     # The ranks read the free memory after their processes and weights took some, so their sum is
-    # below the fraction of what was free before; 2% covers other jobs on the host freeing memory
-    # in between. The lower bound shows the budget was split, not lost (1/8 of the fraction each).
-    assert 8 * per_rank <= 1.02 * kv.memory_fraction * free_before
+    # at most about the fraction of what was free before. The bound is 1.5x, not tight: on a busy
+    # host other jobs free gigabytes in between, and the bug this guards against claims 8x. The
+    # lower bound shows the budget was split, not lost (1/8 of the fraction each).
+    assert 8 * per_rank <= 1.5 * kv.memory_fraction * free_before
     assert 8 * per_rank >= 0.5 * min(kv.memory_fraction * free_before, 8 * kv.cpu_max_bytes)
