@@ -27,6 +27,10 @@ from test_ray_cluster import RAY_ENV
 SCENARIOS = Path(__file__).with_name("ray_scale_scenarios.py")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41], [300, 9, 27, 1, 77]]  # as in the scenarios
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+REGISTER_TIMEOUT_S = "300"
+"""Ray kills a worker that has not registered 60 s after it started, and starts another: at a load
+average near 30, 16 workers importing Ray at once took longer, and the killed and restarted ones
+never caught up (seen once: the test timed out with job 2's workers still restarting)."""
 SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, num_experts=8, vocab_size=512)
 """16 heads for TP16, 8 experts for EP4 (2 per group), each expert's 32 columns split 4 ways."""
 
@@ -44,7 +48,7 @@ def scale_report(tmp_path_factory):
     target = make_checkpoint("qwen3_moe", root / "target", seed=5, **SHAPE)
     drafter = write_dspark(root / "dspark", target)
     ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # short: Ray's socket paths live under it
-    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp,
+    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp, RAY_worker_register_timeout_seconds=REGISTER_TIMEOUT_S,
                PYTHONPATH=os.pathsep.join([str(SCENARIOS.parent), *sys.path]))
     out, err = root / "scenarios.out", root / "scenarios.err"  # files: a full pipe would stall it
     with out.open("w") as stdout, err.open("w") as stderr:
