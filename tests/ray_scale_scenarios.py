@@ -70,28 +70,56 @@ def leftovers(engine, pg) -> dict:
                 pg_state=placement_group_table(pg)["state"], shm=leftover_segments(engine.job_id))
 
 
+class Timeline:
+    """Seconds from the scenario's start to the end of each step (docs/scale.md's breakdown)."""
+
+    def __init__(self) -> None:
+        self.begin, self.marks = time.monotonic(), {}
+
+    def mark(self, step: str) -> None:
+        self.marks[step] = round(time.monotonic() - self.begin, 2)
+
+
+def start_cluster(timeline: Timeline) -> tuple[Cluster, list[str]]:
+    """The head (the driver's node), then the other nodes started together: each node's start
+    is mostly its Python agents importing Ray, so one wait for all of them beats one per node."""
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args=dict(NODE, include_dashboard=False))
+    timeline.mark("head_node")
+    try:
+        nodes = [cluster.add_node(wait=False, **NODE) for _ in range(NUM_NODES - 1)]
+        cluster.wait_for_nodes(timeout=120)  # Ray's default 30 s is short on two loaded cores
+    except BaseException:
+        ray.shutdown()
+        cluster.shutdown()
+        raise
+    timeline.mark("other_nodes")
+    return cluster, [ray.get_runtime_context().get_node_id()] + [n.node_id for n in nodes]
+
+
 def main(target: str, drafter: str) -> None:
     os.environ[STEP_DIR_VAR] = tempfile.mkdtemp(prefix="specray-steps-")
-    begin = time.monotonic()
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args=dict(NODE, include_dashboard=False))
+    timeline = Timeline()
+    cluster, nodes = start_cluster(timeline)
     try:
-        nodes = [cluster.add_node(**NODE) for _ in range(NUM_NODES - 1)]
-        cluster.wait_for_nodes()
-        report = dict(nodes=[ray.get_runtime_context().get_node_id()] + [n.node_id for n in nodes])
+        report = dict(nodes=nodes)
         report["default"], llm = run_job(target, drafter)
         llm.close()
+        timeline.mark("default_job")
         narrowed = [r for r in range(16) if r // 4 == NARROWED_NODE]
         env = {"env_vars": {"SPECRAY_DRAFT_KERNEL_PAGE_SIZES": ";".join(f"{r}:32" for r in narrowed)}}
         report["narrowed"], llm = run_job(target, drafter, runtime_env=env)
+        timeline.mark("narrowed_job")
         engine, pg = llm._engine, llm._engine._pg  # close forgets the group: keep it to ask Ray about it
         victim = 4 * KILLED_NODE + 1
         report["killed"] = dict(rank=victim, **hit_mid_call(llm, victim, signal.SIGKILL))
         llm.close()
         report["killed"].update(leftovers(engine, pg))
+        timeline.mark("killed_rank")
     finally:
         ray.shutdown()
         cluster.shutdown()
-    report["total_s"] = time.monotonic() - begin
+    timeline.mark("shutdown")
+    report["timeline"] = timeline.marks
     print(json.dumps(report, default=str))
 
 

@@ -6,7 +6,8 @@ itself is test_geometry_ranks.py's. 72 ranks are benchmarks/bench_scale.py's.
 
 Measured on the shared two-core machine: 66 s for the whole test at a load average of 30
 (checkpoint, one-rank reference, 32-rank start-up and decode; the 32-rank start-up alone was
-2-4 s with the rank server warm, 9 s with its first torch import). It stays in the suite;
+2-4 s with the rank server warm, 9 s with its first torch import); 16 s at a load average of
+14-18 (26 s for the pytest process, its imports included). It stays in the suite;
 SPECRAY_SKIP_SCALE_TESTS=1 skips it, with a reason that says how to run it.
 """
 

@@ -27,6 +27,10 @@ from test_ray_cluster import RAY_ENV
 SCENARIOS = Path(__file__).with_name("ray_scale_scenarios.py")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41], [300, 9, 27, 1, 77]]  # as in the scenarios
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+REGISTER_TIMEOUT_S = "300"
+"""Ray kills a worker that has not registered 60 s after it started, and starts another: at a load
+average near 30, 16 workers importing Ray at once took longer, and the killed and restarted ones
+never caught up (seen once: the test timed out with job 2's workers still restarting)."""
 SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, num_experts=8, vocab_size=512)
 """16 heads for TP16, 8 experts for EP4 (2 per group), each expert's 32 columns split 4 ways."""
 
@@ -44,16 +48,30 @@ def scale_report(tmp_path_factory):
     target = make_checkpoint("qwen3_moe", root / "target", seed=5, **SHAPE)
     drafter = write_dspark(root / "dspark", target)
     ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # short: Ray's socket paths live under it
-    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp,
+    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp, RAY_worker_register_timeout_seconds=REGISTER_TIMEOUT_S,
                PYTHONPATH=os.pathsep.join([str(SCENARIOS.parent), *sys.path]))
-    try:
-        run = subprocess.run([sys.executable, str(SCENARIOS), str(target), str(drafter)], env=env,
-                             capture_output=True, text=True, timeout=560)
-    finally:
-        subprocess.run(["rm", "-rf", ray_tmp], check=False)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    return report, one_rank_tokens(target, drafter), one_rank_tokens(target, None)
+    out, err = root / "scenarios.out", root / "scenarios.err"  # files: a full pipe would stall it
+    with out.open("w") as stdout, err.open("w") as stderr:
+        run = subprocess.Popen([sys.executable, str(SCENARIOS), str(target), str(drafter)], env=env,
+                               stdout=stdout, stderr=stderr, text=True)
+        try:  # the one-rank references while the cluster starts (a second of CPU beside minutes)
+            references = one_rank_tokens(target, drafter), one_rank_tokens(target, None)
+            run.wait(timeout=560)
+        finally:
+            run.kill()  # a no-op once it has exited
+            run.wait()
+            driver_log = _driver_log_tail(Path(ray_tmp)) if run.returncode else ""
+            subprocess.run(["rm", "-rf", ray_tmp], check=False)
+    assert run.returncode == 0, err.read_text()[-4000:] + driver_log
+    return json.loads(out.read_text().strip().splitlines()[-1]), *references
+
+
+def _driver_log_tail(ray_tmp: Path, lines: int = 15) -> str:
+    """The end of the scenario driver's Ray log: a driver that Ray ends (its raylet or the GCS
+    gone) exits with status 1 and no traceback, and the reason is only written there."""
+    logs = sorted(ray_tmp.glob("ray/session_*/logs/python-core-driver-*.log"))
+    tails = ["\n".join(log.read_text(errors="replace").splitlines()[-lines:]) for log in logs]
+    return "".join(f"\n--- {log.name}:\n{tail}" for log, tail in zip(logs, tails))
 
 
 def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list[int]]) -> list[str]:
@@ -73,7 +91,7 @@ def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list
     return ray_nodes
 
 
-@pytest.mark.timeout(600)  # 16 Ray workers each import torch: minutes on two loaded cores
+@pytest.mark.timeout(600)  # 32 Ray workers each import torch: minutes on two loaded cores
 def test_tp16_moe_4x4_dspark_over_four_nodes(scale_report):
     report, one_rank, plain = scale_report
     nodes = report["nodes"]
@@ -91,5 +109,6 @@ def test_tp16_moe_4x4_dspark_over_four_nodes(scale_report):
     assert killed["error_after_s"] < 10.0  # failure_timeout_s of the scenarios
     assert killed["live_pids"] == [] and killed["actors"] == [] and killed["shm"] == []
     assert killed["pg_state"] == "REMOVED"
-    # No bound on report["total_s"]: on the shared two-core machine it ranged over minutes with
-    # other jobs' load (16 Ray workers each import torch); docs/scale.md records what was measured.
+    # No bound on the wall time (report["timeline"] breaks it down): on the shared two-core machine
+    # it follows the other jobs' load, as 32 Ray workers (two jobs of 16) each import Ray and torch;
+    # docs/scale.md records what was measured.
