@@ -41,12 +41,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.bench import BenchConfig, format_table, random_prompts
 from specray.envs import cache_root
 from specray.executor import spec_metrics
 from specray.models.gguf import hf_to_gguf_name
+from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model
+from specray.models.tokenizer import load_tokenizer
 
 INSTALL_HINT = ("llama-cpp-python is not installed, so there is no llama.cpp anchor to measure: run `make anchors` "
                 "(builds llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, about 11 minutes on 2 cores)")
@@ -155,18 +158,9 @@ def build_prompts(model: str, path: Path, num: int) -> list[list[int]]:
     """Chat-formatted HumanEval prompts as the model's tokenizer encodes them; random ids of 128
     tokens for the random-weight presets (they have no real vocabulary)."""
     if model != "smollm2-135m":
-        return random_prompts(num, 128, read_vocab_size(path), seed=0)
-    from benchmarks.prompts import humaneval_chats
-    from specray.models.tokenizer import load_tokenizer
-
+        return random_prompts(num, 128, read_model_arch(path).vocab_size, seed=0)
     tokenizer = load_tokenizer(path)
     return [tokenizer.encode_chat(chat) for chat in humaneval_chats(num)]
-
-
-def read_vocab_size(path: Path) -> int:
-    from specray.models.loader import read_model_arch
-
-    return read_model_arch(path).vocab_size
 
 
 # ---- one timed pass per engine ------------------------------------------------------------------
