@@ -16,7 +16,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench anchors venv clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: venv
 
 bench: venv
 	$(PY) -m benchmarks.run_all
+
+# The llama.cpp anchor (python -m benchmarks.bench_vs_llamacpp), never part of `make test`:
+# llama-cpp-python builds llama.cpp from source for this CPU, about 11 minutes on 2 cores (pip
+# caches the built wheel, so a reinstall is quick). Its dependencies leave torch alone.
+anchors: venv
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -e ".[anchors]"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

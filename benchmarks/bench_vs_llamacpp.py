@@ -1,0 +1,379 @@
+"""specray against llama.cpp (llama-cpp-python) on the same float32 weights, in one run.
+
+    python -m benchmarks.bench_vs_llamacpp [--model smollm2-135m|mid-llama] [--threads N] [--rounds 3] [--quick]
+
+llama-cpp-python is an optional anchor (``make anchors`` builds it from source: about 11 minutes
+on 2 cores); without it this prints how to install it and exits 0 (a benchmark, not a test).
+
+Weights: ``smollm2-135m`` is the built-in GGUF (Q4_1) requantized once to F32 with
+``llama_cpp.llama_model_quantize`` (allow_requantize, ftype ALL_F32) and cached under
+``$SPECRAY_CACHE/anchors``; specray loads that same file. ``mid-llama`` is the random-weight
+preset written to GGUF here with the ``gguf`` writer (llama.cpp's names and q/k row order, F32)
+plus a filler vocabulary (llama.cpp needs one; the prompts are random token ids).
+
+Both engines get the same threads (llama.cpp's n_threads and n_threads_batch, torch's
+set_num_threads), the same token-id prompts (chat-formatted HumanEval problems, tokenized once by
+specray; mid-llama: random ids), exactly ``--output-len`` new tokens each (EOS does not stop
+either side, so the token counts are equal) at batch 1, greedy. Each prompt is a fresh request
+(llama.cpp's prompt cache is reset, so both sides prefill every prompt).
+
+Rows: ``TPOT`` = decode time per token after the first (median over prompts); ``tok/s`` = tokens /
+wall time over all prompts, prefill included; ``ngram`` = prompt-lookup drafting, k = 5, on both
+sides: llama.cpp's ``LlamaPromptLookupDecoding(num_pred_tokens=5)`` (its default 2-gram to 1-gram
+lookup) against specray's ``SpecConfig(method="ngram", num_draft_tokens=5, prompt_lookup_min=2,
+prompt_lookup_max=4)``. transformers' batch-1 TPOT (from bench_vs_transformers) is a third
+column unless ``--no-transformers``. The rounds alternate the engines, so a burst of load from
+other processes falls on both; the fastest round of each counts. Token agreement between the two
+engines is reported (identical outputs and the agreeing prefix), not asserted: float32 sums in a
+different order may flip a near-tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.prompts import humaneval_chats
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray.bench import BenchConfig, format_table, random_prompts
+from specray.envs import cache_root
+from specray.executor import spec_metrics
+from specray.models.gguf import hf_to_gguf_name
+from specray.models.loader import read_model_arch
+from specray.models.presets import resolve_model
+from specray.models.tokenizer import load_tokenizer
+
+INSTALL_HINT = ("llama-cpp-python is not installed, so there is no llama.cpp anchor to measure: run `make anchors` "
+                "(builds llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, about 11 minutes on 2 cores)")
+NGRAM_K = 5
+SPEC_NGRAM = SpecConfig(method="ngram", num_draft_tokens=NGRAM_K, prompt_lookup_min=2, prompt_lookup_max=4)
+TARGETS = dict(tpot_ratio_max=1.25, hf_tpot_speedup_min=2.5, ngram_tok_s_ratio_min=1.5)  # issue 18
+COLUMNS = [("metric", "metric", "s"), ("specray", "specray", ".2f"), ("llamacpp", "llama.cpp", ".2f"),
+           ("ratio", "specray/llama.cpp", ".2f"), ("transformers", "transformers", ".2f")]
+
+
+def decode_tpot_ms(stamps: list[float]) -> float:
+    """Decode time per token: the span from the first token to the last, over the tokens after
+    the first (prefill and the first token are TTFT's)."""
+    if len(stamps) < 2:
+        raise ValueError(f"TPOT needs at least 2 token timestamps, got {len(stamps)}")
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two engines' outputs for the same prompts agree: the share of identical outputs and
+    the mean share of each output before the first differing token."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"agreement needs two equally long, non-empty lists of outputs, got {len(a)} and {len(b)}")
+    prefixes = []
+    for x, y in zip(a, b):
+        same = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        prefixes.append(same / max(len(x), len(y), 1))
+    return dict(identical=sum(x == y for x, y in zip(a, b)) / len(a), prefix=statistics.fmean(prefixes))
+
+
+# ---- the weights both engines load -------------------------------------------------------------
+
+def requantize_f32(llama_cpp, source: Path, threads: int) -> Path:
+    """``source`` requantized to F32 by llama.cpp, once; written under a temporary name and
+    renamed, so an interrupted run leaves no half-written file."""
+    target = cache_root() / "anchors" / f"{source.stem}.F32.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, threads
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize could not requantize {source} to F32")
+    os.replace(tmp, target)
+    return target
+
+
+def write_preset_gguf(checkpoint: Path, target: Path) -> Path:
+    """A Hugging Face Llama checkpoint as an F32 GGUF as llama.cpp's converter writes it (its tensor
+    names, q/k rows interleaved per head), with a filler SentencePiece vocabulary of the model's size."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("rope.dimension_count", cfg["head_dim"]), ("vocab_size", vocab)]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32("llama.rope.freq_base", cfg["rope_theta"])
+    # <unk> <s> </s>, the 256 byte tokens, then numbered pieces (1 normal, 2 unknown, 3 control, 6 byte)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [f"\u2581p{i}" for i in range(vocab - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    for hf_name, tensor in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
+        name, w = hf_to_gguf_name(hf_name), tensor.float().numpy()
+        if name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary-half interleave
+            n = heads if name.split(".")[-2] == "attn_q" else kv_heads
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, target)
+    return target
+
+
+def anchor_weights(llama_cpp, model: str, threads: int) -> tuple[Path, Path]:
+    """(the F32 GGUF both engines load, what transformers loads: that GGUF or the preset's directory)."""
+    source = resolve_model(model)
+    if source.suffix == ".gguf":
+        path = requantize_f32(llama_cpp, source, threads)
+        return path, path
+    target = cache_root() / "anchors" / f"{source.name}.F32.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_preset_gguf(source, target)
+    return target, source
+
+
+def build_prompts(model: str, path: Path, num: int) -> list[list[int]]:
+    """Chat-formatted HumanEval prompts as the model's tokenizer encodes them; random ids of 128
+    tokens for the random-weight presets (they have no real vocabulary)."""
+    if model != "smollm2-135m":
+        return random_prompts(num, 128, read_model_arch(path).vocab_size, seed=0)
+    tokenizer = load_tokenizer(path)
+    return [tokenizer.encode_chat(chat) for chat in humaneval_chats(num)]
+
+
+# ---- one timed pass per engine ------------------------------------------------------------------
+
+def summarize(tokens: list[list[int]], wall_s: float, tpots: list[float], ttfts: list[float], **extra) -> dict:
+    return dict(tok_s=sum(map(len, tokens)) / wall_s, wall_s=wall_s, tpot_ms=statistics.median(tpots),
+                ttft_ms=statistics.median(ttfts), tokens=tokens, **extra)
+
+
+def run_llamacpp(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """Each prompt from an empty cache, exactly ``output_len`` greedy tokens, timed at every yield."""
+    draft = llm.draft_model
+    calls_before = getattr(draft, "num_calls", 0)
+    tokens, tpots, ttfts, wall = [], [], [], 0.0
+    for prompt in prompts:
+        llm.reset()  # forget the previous prompt: no prefix reuse, every prompt is prefilled
+        out, stamps = [], []
+        start = time.perf_counter()
+        gen = llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+        for token in gen:
+            out.append(int(token))
+            stamps.append(time.perf_counter())
+            if len(out) == output_len:
+                break
+        gen.close()
+        wall += stamps[-1] - start
+        tokens.append(out)
+        tpots.append(decode_tpot_ms(stamps))
+        ttfts.append((stamps[0] - start) * 1e3)
+    extra = {}
+    if draft is not None:  # one draft call per verify step after the first token
+        steps = draft.num_calls - calls_before
+        extra["tokens_per_step"] = len(prompts) * (output_len - 1) / steps
+    return summarize(tokens, wall, tpots, ttfts, **extra)
+
+
+def run_specray(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    outs, wall = [], 0.0
+    for prompt in prompts:  # batch 1: one request at a time, as llama.cpp runs them
+        start = time.perf_counter()
+        outs += llm.generate([prompt], params)
+        wall += time.perf_counter() - start
+    agg = spec_metrics.aggregate([o.metrics for o in outs])
+    extra = {"tokens_per_step": agg["tokens_per_decode_step"]} if "tokens_per_decode_step" in agg else {}
+    return summarize([o.token_ids for o in outs], wall, [o.metrics["tpot_s"] * 1e3 for o in outs],
+                     [o.metrics["ttft_s"] * 1e3 for o in outs], **extra)
+
+
+def open_llamas(llama_cpp, path: Path, modes: list[str], n_ctx: int, threads: int) -> dict:
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    class CountingLookup(LlamaPromptLookupDecoding):
+        """llama.cpp's prompt lookup, counting its calls (one per verify step)."""
+        num_calls = 0
+
+        def __call__(self, input_ids, /, **kwargs):
+            self.num_calls += 1
+            return super().__call__(input_ids, **kwargs)
+
+    drafts = {"plain": None, "ngram": CountingLookup(num_pred_tokens=NGRAM_K)}
+    return {m: llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                               draft_model=drafts[m], verbose=False) for m in modes}
+
+
+# ---- alternating rounds, the table, the report ---------------------------------------------------
+
+def run_rounds(args, path: Path, hf_path: Path, prompts: list[list[int]], llamas: dict) -> tuple[dict, dict]:
+    """best[engine][mode]: the fastest pass (least wall time) over ``--rounds`` rounds that alternate
+    specray and llama.cpp per mode, then transformers; history[engine][mode]: every round's tok/s."""
+    best: dict[str, dict] = {"specray": {}, "llamacpp": {}, "transformers": {}}
+    history: dict[str, dict] = {e: {} for e in best}
+
+    def record(engine: str, mode: str, run: dict) -> None:
+        history[engine].setdefault(mode, []).append(run.get("tok_s", run.get("total_tok_s")))
+        if mode not in best[engine] or run["wall_s"] < best[engine][mode]["wall_s"]:
+            best[engine][mode] = run
+
+    capacity = max(4096, max(map(len, prompts)) + args.output_len + NGRAM_K + 64)
+    hf_model = None
+    if args.transformers:
+        from benchmarks.bench_vs_transformers import load_transformers, measure_transformers
+
+        hf_model = load_transformers(hf_path)
+    for r in range(args.rounds):
+        for mode, llama in llamas.items():
+            cfg = EngineConfig(model=str(path), kv=KVConfig(tokens_per_block=64, capacity_tokens=capacity),
+                               spec=SPEC_NGRAM if mode == "ngram" else SpecConfig())
+            with LLM(cfg) as llm:  # one engine open at a time; loading is outside the timed part
+                run_specray(llm, prompts[:1], 8)  # warm-up
+                record("specray", mode, run_specray(llm, prompts, args.output_len))
+            run_llamacpp(llama, prompts[:1], 8)
+            record("llamacpp", mode, run_llamacpp(llama, prompts, args.output_len))
+            print(f"round {r + 1}/{args.rounds} {mode}: specray {history['specray'][mode][-1]:.1f} tok/s, "
+                  f"llama.cpp {history['llamacpp'][mode][-1]:.1f} tok/s", flush=True)
+        if hf_model is not None:  # batch 1 on the first prompt: TPOT only, from two generate calls
+            bench = BenchConfig(input_len=len(prompts[0]), output_len=args.output_len, warmup=int(r == 0),
+                                batch_sizes=(1,))
+            record("transformers", "plain", measure_transformers(hf_model, prompts[:1], bench))
+            print(f"round {r + 1}/{args.rounds} transformers: TPOT {best['transformers']['plain']['tpot_ms']:.2f} ms "
+                  f"(best so far)", flush=True)
+    return best, history
+
+
+def table_rows(best: dict) -> list[dict]:
+    s, ll, hf = best["specray"], best["llamacpp"], best["transformers"].get("plain")
+    rows = [dict(metric="BS1 TPOT ms, plain", specray=s["plain"]["tpot_ms"], llamacpp=ll["plain"]["tpot_ms"],
+                 **({"transformers": hf["tpot_ms"]} if hf else {})),
+            dict(metric="TTFT ms, plain", specray=s["plain"]["ttft_ms"], llamacpp=ll["plain"]["ttft_ms"]),
+            dict(metric="tok/s, plain", specray=s["plain"]["tok_s"], llamacpp=ll["plain"]["tok_s"])]
+    if "ngram" in s:
+        rows += [dict(metric=f"tok/s, ngram k={NGRAM_K}", specray=s["ngram"]["tok_s"], llamacpp=ll["ngram"]["tok_s"]),
+                 dict(metric=f"TPOT ms, ngram k={NGRAM_K}", specray=s["ngram"]["tpot_ms"],
+                      llamacpp=ll["ngram"]["tpot_ms"]),
+                 dict(metric="tokens per step, ngram", specray=s["ngram"]["tokens_per_step"],
+                      llamacpp=ll["ngram"]["tokens_per_step"]),
+                 dict(metric="ngram speedup over plain", specray=s["ngram"]["tok_s"] / s["plain"]["tok_s"],
+                      llamacpp=ll["ngram"]["tok_s"] / ll["plain"]["tok_s"])]
+    for row in rows:
+        row["ratio"] = row["specray"] / row["llamacpp"]
+    return rows
+
+
+def agreements(best: dict) -> dict[str, dict]:
+    s, ll = best["specray"], best["llamacpp"]
+    pairs = {f"specray vs llama.cpp, {m}": (s[m], ll[m]) for m in s}
+    if "ngram" in s:
+        pairs.update({"specray ngram vs plain": (s["ngram"], s["plain"]),
+                      "llama.cpp ngram vs plain": (ll["ngram"], ll["plain"])})
+    return {name: agreement(a["tokens"], b["tokens"]) for name, (a, b) in pairs.items()}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    by = {r["metric"]: r for r in rows}
+    tpot = by["BS1 TPOT ms, plain"]
+    lines = [f"BS1 TPOT specray/llama.cpp {tpot['ratio']:.2f} (target <= {TARGETS['tpot_ratio_max']}): "
+             + ("met" if tpot["ratio"] <= TARGETS["tpot_ratio_max"] else "NOT met")]
+    if "transformers" in tpot:
+        x = tpot["transformers"] / tpot["specray"]
+        lines.append(f"BS1 TPOT transformers/specray {x:.2f} (target >= {TARGETS['hf_tpot_speedup_min']}): "
+                     + ("met" if x >= TARGETS["hf_tpot_speedup_min"] else "NOT met"))
+    ngram = by.get(f"tok/s, ngram k={NGRAM_K}")
+    if ngram is not None:
+        lines.append(f"ngram tok/s specray/llama.cpp {ngram['ratio']:.2f} (target >= "
+                     f"{TARGETS['ngram_tok_s_ratio_min']}): "
+                     + ("met" if ngram["ratio"] >= TARGETS["ngram_tok_s_ratio_min"] else "NOT met"))
+    return lines
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "mid-llama"])
+    ap.add_argument("--threads", type=int, default=None, help="for both engines (default: every core)")
+    ap.add_argument("--num-prompts", type=int, default=8, help="HumanEval problems 0..N-1 (mid-llama: random)")
+    ap.add_argument("--output-len", type=int, default=128, help="new tokens per prompt, on both sides")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the fastest of each engine counts")
+    ap.add_argument("--no-transformers", dest="transformers", action="store_false",
+                    help="leave out transformers' BS1 TPOT column")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 32 tokens, 1 round")
+    ap.add_argument("--json", type=Path, default=None, help="default: bench-results/bench_vs_llamacpp_MODEL.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.output_len, args.rounds = 2, 32, 1
+    for name in ("num_prompts", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if args.output_len < 2:
+        ap.error(f"--output-len ({args.output_len}) must be >= 2: TPOT is the time per token after the first")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import llama_cpp
+    except ImportError:
+        print(f"{INSTALL_HINT}\nskipped: bench_vs_llamacpp measured nothing")
+        return 0
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs", flush=True)
+    path, hf_path = anchor_weights(llama_cpp, args.model, threads)
+    prompts = build_prompts(args.model, path, args.num_prompts)
+    n_ctx = -(-(max(map(len, prompts)) + args.output_len + NGRAM_K + 8) // 256) * 256
+    modes = ["plain", "ngram"] if args.model == "smollm2-135m" else ["plain"]
+    llamas = open_llamas(llama_cpp, path, modes, n_ctx, threads)
+    best, history = run_rounds(args, path, hf_path, prompts, llamas)
+    load_after = os.getloadavg()
+    rows, agree = table_rows(best), agreements(best)
+    print(f"\n{args.model} F32 ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {len(prompts)} prompt(s) of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_len} new tokens each, batch 1, "
+          f"greedy, {threads} thread(s), fastest of {args.rounds} alternating round(s); llama-cpp-python "
+          f"{llama_cpp.__version__}\n")
+    print(format_table(rows, COLUMNS))
+    for name, a in agree.items():
+        print(f"same tokens, {name}: {a['identical']:.0%} of outputs identical, {a['prefix']:.0%} agreeing prefix")
+    lines = verdicts(rows)
+    print("\n".join(lines))
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
+          f"{' '.join(f'{x:.2f}' for x in load_after)} (1/5/15 min) on {os.cpu_count()} CPUs")
+    out = args.json or Path(f"bench-results/bench_vs_llamacpp_{args.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        model=args.model, weights=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
+        output_len=args.output_len, rounds=args.rounds, threads=threads, quick=args.quick, rows=rows,
+        agreement=agree, verdicts=lines, targets=TARGETS, round_tok_s=history,
+        machine=dict(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_after,
+                     platform=platform.platform(), torch=torch.__version__,
+                     llama_cpp_python=llama_cpp.__version__)), indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
