@@ -26,6 +26,23 @@
 #define ROW_BLOCK 8 /* rows of x per pass over C rows of w: M x C accumulators in registers */
 #define PREFETCH_FLOATS 1024 /* 4 KB ahead in each row of w being read (the old plan) */
 
+/* The tuned plan (specray_small_gemm), from benchmarks/bench_gemv.py's runs (docs/cpu-kernels.md) */
+#ifndef ROWS_OF_W_1
+#define ROWS_OF_W_1 1 /* rows of w per pass at M = 1 */
+#endif
+#ifndef ROWS_OF_W_4
+#define ROWS_OF_W_4 4 /* at M = 2..4 */
+#endif
+#ifndef ROWS_OF_W_MORE
+#define ROWS_OF_W_MORE 2 /* at M > 4 */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#ifndef PARALLEL_MIN_BYTES
+#define PARALLEL_MIN_BYTES 0.0 /* weights smaller than this run on one thread */
+#endif
+
 /* Outputs n .. n + C - 1 for M rows of x. C, M and PF are compile-time constants at every
  * call site (see block below), so the M x C accumulators live in registers. */
 static inline __attribute__((always_inline)) void columns(
@@ -117,6 +134,14 @@ void specray_small_gemm_use_old_plan(int on) { old_plan = on != 0; }
 
 int specray_small_gemm(const float *x, const float *w, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K) {
-    if (old_plan) return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, 1, omp_get_max_threads());
-    return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, 1, omp_get_max_threads()); /* TUNE */
+    const int all = omp_get_max_threads();
+    if (old_plan) return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, 1, all);
+    /* One row of w at a time at M = 1: one sequential stream per thread, which the hardware
+     * prefetcher follows; four interleaved streams with a software prefetch each read at
+     * about half the speed (docs/cpu-kernels.md). */
+    const int rows_of_w = M == 1 ? ROWS_OF_W_1 : M <= 4 ? ROWS_OF_W_4 : ROWS_OF_W_MORE;
+    /* Small weights on one thread: a parallel region waits for its slowest thread, and on a
+     * shared box a descheduled thread costs milliseconds against a call of tens of microseconds. */
+    const int threads = (double)N * K * sizeof(float) < PARALLEL_MIN_BYTES ? 1 : all;
+    return specray_small_gemm_plan(x, w, bias, y, M, N, K, rows_of_w, PREFETCH, threads);
 }
