@@ -62,18 +62,19 @@ def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
     return out
 
 
-def gbps(f, x: torch.Tensor, weights: list[torch.Tensor], min_bytes: int) -> float:
-    """GB/s of weight read over enough calls, cycling through the copies, to read min_bytes."""
+def gbps(f, x: torch.Tensor, weights: list[torch.Tensor], min_bytes: int, turn: int) -> float:
+    """GB/s of weight read over enough calls to read min_bytes (at least one), cycling through
+    the copies from copy ``turn`` on; the copy before them is read first, as a warm-up."""
     size = weights[0].numel() * weights[0].element_size()
-    calls = max(len(weights), -(-min_bytes // size))
-    f(x, weights[-1])  # warm-up (code, x, scratch)
+    calls = max(1, -(-min_bytes // size))
+    f(x, weights[(turn - 1) % len(weights)])  # warm-up (code, x, scratch)
     start = time.perf_counter()
-    for i in range(calls):
+    for i in range(turn, turn + calls):
         f(x, weights[i % len(weights)])
     return calls * size / (time.perf_counter() - start) / 1e9
 
 
-def bench(rows_list, threads_list, rounds: int, footprint: int, plans: bool) -> list[dict]:
+def bench(rows_list, threads_list, rounds: int, footprint: int, read: int, plans: bool) -> list[dict]:
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("specray's CPU kernels are not available here (no compiler, or SPECRAY_CPU_KERNELS=0)")
@@ -88,9 +89,11 @@ def bench(rows_list, threads_list, rounds: int, footprint: int, plans: bool) -> 
                 torch.set_num_threads(threads)
                 fs = kernels_under_test(kernels, threads, plans)
                 best = dict.fromkeys(fs, 0.0)
+                turn = 0
                 for _ in range(rounds):
                     for name, f in fs.items():
-                        best[name] = max(best[name], gbps(f, x, weights, 2 * footprint))
+                        best[name] = max(best[name], gbps(f, x, weights, read, turn))
+                        turn += 2 + read // size
                 results.append({"shape": shape_name, "n": n, "k": k, "rows": rows, "threads": threads,
                                 "gbps": {name: round(v, 2) for name, v in best.items()}})
                 print_row(results[-1], first=len(results) == 1)
@@ -115,6 +118,9 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--footprint-mib", type=int, default=128, help="weight copies cycled per timing (> L3)")
+    parser.add_argument("--read-mib", type=int, default=128,
+                        help="weight read per timing (0: one call; with many rounds, the fastest call "
+                             "estimates an uncontended machine's speed)")
     parser.add_argument("--plans", action="store_true", help="also every candidate plan")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     parser.add_argument("--out", default="bench-results/gemv.json")
@@ -129,7 +135,7 @@ def main() -> None:
     print(f"load average before {load_before}; torch threads {torch.get_num_threads()}")
     with torch.inference_mode():
         results = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
-                        args.rounds, args.footprint_mib * 2**20, args.plans)
+                        args.rounds, args.footprint_mib * 2**20, args.read_mib * 2**20, args.plans)
     load_after = os.getloadavg()
     print(f"load average after {load_after}")
     out = Path(args.out)

@@ -76,10 +76,12 @@ def test_linear_takes_the_kernels_at_every_row_count(rows, monkeypatch, kernels)
     assert calls == ["small_gemm" if rows <= kernels.max_rows else "panel_gemm"]
 
 
-def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
+# 8 rows; one row above and below the 1.5 MiB under which the batch-1 GEMV keeps to one thread
+@pytest.mark.parametrize("rows, n, k", [(8, 1000, 1024), (1, 700, 577), (1, 131, 577)])
+def test_small_gemm_is_bitwise_the_same_at_any_thread_count(rows, n, k, kernels):
     # every rank computing the same replicated product must get the same bits
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 1024, generator=gen), torch.randn(1000, 1024, generator=gen)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

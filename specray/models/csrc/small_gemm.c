@@ -9,7 +9,7 @@
  *
  * How a call streams w (its plan: C, a software prefetch or not, how many threads) is chosen
  * per row count and weight size from measurements (benchmarks/bench_gemv.py,
- * docs/cpu-kernels.md); see plan_for below.
+ * docs/cpu-kernels.md); see specray_small_gemm at the end.
  *
  * specray builds it on the machine that runs it (-march=native; vectors in vec.h). Each
  * output is summed in the same fixed order (16 lane sums over k, the lanes as a fixed tree,
@@ -26,22 +26,9 @@
 #define ROW_BLOCK 8 /* rows of x per pass over C rows of w: M x C accumulators in registers */
 #define PREFETCH_FLOATS 1024 /* 4 KB ahead in each row of w being read (the old plan) */
 
-/* The tuned plan (specray_small_gemm), from benchmarks/bench_gemv.py's runs (docs/cpu-kernels.md) */
-#ifndef ROWS_OF_W_1
-#define ROWS_OF_W_1 1 /* rows of w per pass at M = 1 */
-#endif
-#ifndef ROWS_OF_W_4
-#define ROWS_OF_W_4 4 /* at M = 2..4 */
-#endif
-#ifndef ROWS_OF_W_MORE
-#define ROWS_OF_W_MORE 2 /* at M > 4 */
-#endif
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
-#ifndef PARALLEL_MIN_BYTES
-#define PARALLEL_MIN_BYTES 0.0 /* weights smaller than this run on one thread */
-#endif
+/* Below this a batch-1 GEMV runs on one thread (SmolLM2's o_proj, 1.27 MiB, does; its qkv,
+ * 2.11 MiB, does not): docs/cpu-kernels.md */
+#define PARALLEL_MIN_BYTES (1.5 * 1024 * 1024)
 
 /* Outputs n .. n + C - 1 for M rows of x. C, M and PF are compile-time constants at every
  * call site (see block below), so the M x C accumulators live in registers. */
@@ -135,13 +122,12 @@ void specray_small_gemm_use_old_plan(int on) { old_plan = on != 0; }
 int specray_small_gemm(const float *x, const float *w, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K) {
     const int all = omp_get_max_threads();
-    if (old_plan) return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, 1, all);
-    /* One row of w at a time at M = 1: one sequential stream per thread, which the hardware
-     * prefetcher follows; four interleaved streams with a software prefetch each read at
-     * about half the speed (docs/cpu-kernels.md). */
-    const int rows_of_w = M == 1 ? ROWS_OF_W_1 : M <= 4 ? ROWS_OF_W_4 : ROWS_OF_W_MORE;
-    /* Small weights on one thread: a parallel region waits for its slowest thread, and on a
+    if (old_plan || M > 1) return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, 1, all);
+    /* M = 1: one row of w at a time, no software prefetch: one sequential stream per thread,
+     * which the hardware prefetcher follows, read at 1.2-2.2x the old plan's speed on every
+     * shape measured. (At 4-8 rows of x the old plan's prefetch still pays: docs/cpu-kernels.md.)
+     * Small weights on one thread: a parallel region waits for its slowest thread, and on a
      * shared box a descheduled thread costs milliseconds against a call of tens of microseconds. */
     const int threads = (double)N * K * sizeof(float) < PARALLEL_MIN_BYTES ? 1 : all;
-    return specray_small_gemm_plan(x, w, bias, y, M, N, K, rows_of_w, PREFETCH, threads);
+    return specray_small_gemm_plan(x, w, bias, y, M, N, K, 1, 0, threads);
 }
