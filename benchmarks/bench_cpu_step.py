@@ -1,6 +1,6 @@
 """A CPU rank's model step before and after issue 18, three ways in one process.
 
-    python -m benchmarks.bench_cpu_step [--models smollm2-135m,mid-llama] [--rounds 5]
+    python -m benchmarks.bench_cpu_step [--models smollm2-135m,mid-llama] [--rounds 5] [--steps "decode x1"]
 
 - "before": what specray did until then, reproduced here, module by module: one row on BLAS
   (``F.linear``), 2-8 rows on ``small_gemm``, more rows on a oneDNN-packed second copy of
@@ -9,7 +9,10 @@
   one copy, ``small_gemm`` up to its row limit (the batch-1 GEMV included), ``panel_gemm``
   beyond;
 - "fused": as specray runs now: decode and verify steps through ``fused_decode.py`` (one C
-  call over every layer at TP 1); prefill as "modules".
+  call over every layer at TP 1); prefill as "modules";
+- "fused old": "fused" with ``small_gemm``'s first plan (``CpuKernels.use_old_gemv_plan``:
+  four rows of w per pass at M = 1, every thread): the tuned GEMV plan's effect alone (the two
+  give the same bits).
 
 Each step is one model forward plus the LM head on the last row of each sequence, float32,
 on the current torch threads: decode of 1, 4 and 8 sequences (1 row each, 128 tokens
@@ -40,7 +43,7 @@ from specray.models.presets import resolve_model
 
 CONTEXT = 128  # tokens cached before a decode or verify step
 BLOCK = 16
-MODES = ("before", "modules", "fused")
+MODES = ("before", "modules", "fused", "fused old")
 STEPS = {"decode x1": (1, 1), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
 
 
@@ -116,40 +119,48 @@ def time_once(step) -> float:
 
 
 @torch.inference_mode()
-def bench_model(name: str, rounds: int) -> None:
+def bench_model(name: str, rounds: int, labels: list[str]) -> None:
     model = load_model(resolve_model(name), DistContext.single(), "float32")
     weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     packed = packed_copies(model)
     packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
-    steps = {label: make_step(model, *shape) for label, shape in STEPS.items()}
-    best = {(label, mode): float("inf") for label in STEPS for mode in MODES}
+    steps = {label: make_step(model, *STEPS[label]) for label in labels}
+    best = {(label, mode): float("inf") for label in labels for mode in MODES}
+    kernels = load_cpu_kernels()
     floor_weights, floor = floor_inputs(weight_shapes(model.arch)), float("inf")
     for _ in range(rounds):
         for label, step in steps.items():
             for mode in MODES:
-                model.is_fused = mode == "fused"
+                model.is_fused = mode.startswith("fused")
+                kernels.use_old_gemv_plan(mode == "fused old")
                 with before_issue_18(packed) if mode == "before" else contextlib.nullcontext():
                     step()  # warm-up of this mode
                     best[label, mode] = min(best[label, mode], time_once(step))
+                kernels.use_old_gemv_plan(False)
         floor = min(floor, gemv_pass_ms(*floor_weights))
     model.is_fused = True
     print(f"\n{name}: weights {weight_bytes / 2**20:.0f} MiB; before {(weight_bytes + packed_bytes) / 2**20:.0f} MiB "
           f"(+ packed copies), now {weight_bytes / 2**20:.0f} MiB; GEMV floor of a batch-1 step {floor:.2f} ms")
-    print(f"{'step':12s} {'before ms':>10s} {'modules ms':>11s} {'fused ms':>9s} {'modules/before':>15s} "
-          f"{'fused/before':>13s} {'floor/fused':>12s}")
-    for label in STEPS:
-        b, m, f = (best[label, mode] * 1e3 for mode in MODES)
-        print(f"{label:12s} {b:10.2f} {m:11.2f} {f:9.2f} {b / m:15.2f} {b / f:13.2f} {floor / f:12.2f}")
+    print(f"{'step':12s} {'before ms':>10s} {'modules ms':>11s} {'fused ms':>9s} {'fused old ms':>13s} "
+          f"{'modules/before':>15s} {'fused/before':>13s} {'old/fused':>10s} {'floor/fused':>12s}")
+    for label in labels:
+        b, m, f, o = (best[label, mode] * 1e3 for mode in MODES)
+        print(f"{label:12s} {b:10.2f} {m:11.2f} {f:9.2f} {o:13.2f} {b / m:15.2f} {b / f:13.2f} {o / f:10.2f} "
+              f"{floor / f:12.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m,mid-llama")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
     args = parser.parse_args()
+    labels = args.steps.split(",")
+    if set(labels) - set(STEPS):
+        raise SystemExit(f"--steps: {sorted(set(labels) - set(STEPS))} are not among {list(STEPS)}")
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()}")
     for name in args.models.split(","):
-        bench_model(name, args.rounds)
+        bench_model(name, args.rounds, labels)
     print(f"load average after {os.getloadavg()}")
 
 

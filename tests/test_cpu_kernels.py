@@ -76,10 +76,12 @@ def test_linear_takes_the_kernels_at_every_row_count(rows, monkeypatch, kernels)
     assert calls == ["small_gemm" if rows <= kernels.max_rows else "panel_gemm"]
 
 
-def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
+# 8 rows; one row above and below the 1.5 MiB under which the batch-1 GEMV keeps to one thread
+@pytest.mark.parametrize("rows, n, k", [(8, 1000, 1024), (1, 700, 577), (1, 131, 577)])
+def test_small_gemm_is_bitwise_the_same_at_any_thread_count(rows, n, k, kernels):
     # every rank computing the same replicated product must get the same bits
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 1024, generator=gen), torch.randn(1000, 1024, generator=gen)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -89,6 +91,55 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count(kernels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+PLANS = [(c, pf) for c in (1, 2, 4) for pf in (False, True)]  # rows of w per pass, software prefetch
+
+
+@pytest.mark.parametrize("n, k", [(1, 17), (67, 577), (130, 1024), (49152 // 3, 576)])
+@pytest.mark.parametrize("rows_of_w, prefetch", PLANS)
+def test_every_gemv_plan_matches_torch_mv(n, k, rows_of_w, prefetch, kernels):
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    x, w = torch.randn(k, generator=gen), torch.randn(n, k, generator=gen)
+    y = kernels.small_gemm_plan(x[None], w, None, rows_of_w, prefetch, 2)[0]
+    # Tolerance: two float32 summation orders of k products, as above
+    torch.testing.assert_close(y, torch.mv(w, x), rtol=1e-5, atol=1e-4)
+
+
+def test_every_plan_thread_count_and_row_count_gives_the_same_bits(kernels):
+    # the plan is a per-shape speed choice: it must never change a bit (verify = decode)
+    gen = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(9, 579, generator=gen), torch.randn(133, 579, generator=gen), torch.randn(133, generator=gen)
+    reference = kernels.small_gemm(x[:1], w, b)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows_of_w, prefetch in PLANS:
+                for rows in (1, 4, 6, 9):
+                    y = kernels.small_gemm_plan(x[:rows], w, b, rows_of_w, prefetch, t)
+                    assert torch.equal(y[:1], reference), (t, rows_of_w, prefetch, rows)
+                    assert torch.equal(y, kernels.small_gemm(x[:rows], w, b)), (t, rows_of_w, prefetch, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_old_plan_gives_the_same_bits(kernels):
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(6, 1536, generator=gen), torch.randn(577, 1536, generator=gen)
+    new = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 6)]
+    kernels.use_old_gemv_plan(True)
+    try:
+        old = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 6)]
+    finally:
+        kernels.use_old_gemv_plan(False)
+    assert all(torch.equal(a, b) for a, b in zip(new, old))
+
+
+@pytest.mark.parametrize("rows_of_w, threads", [(3, 1), (0, 1), (1, 0)])
+def test_a_bad_gemv_plan_is_rejected(rows_of_w, threads, kernels):
+    with pytest.raises(ValueError, match=f"1, 2 or 4 rows of w and >= 1 threads, not {rows_of_w} and {threads}"):
+        kernels.small_gemm_plan(torch.randn(1, 16), torch.randn(4, 16), None, rows_of_w, False, threads)
 
 
 def test_small_gemm_rejects_too_many_rows(kernels):

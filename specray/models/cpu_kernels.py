@@ -90,6 +90,12 @@ class CpuKernels(FusedLayerKernels):
         self._gemm = lib.specray_small_gemm
         self._gemm.argtypes = [ptr] * 4 + [i64] * 3
         self._gemm.restype = ctypes.c_int
+        self._gemm_plan = lib.specray_small_gemm_plan
+        self._gemm_plan.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int] * 3
+        self._gemm_plan.restype = ctypes.c_int
+        self._old_plan = lib.specray_small_gemm_use_old_plan
+        self._old_plan.argtypes = [ctypes.c_int]
+        self._old_plan.restype = None
         self._panel = lib.specray_panel_gemm
         self._panel.argtypes = [ptr] * 4 + [i64] * 3
         self._panel.restype = ctypes.c_int
@@ -123,6 +129,28 @@ class CpuKernels(FusedLayerKernels):
         if self._gemm(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, weight.shape[1]):
             raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
         return y
+
+    def small_gemm_plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_of_w: int,
+                        prefetch: bool, threads: int) -> torch.Tensor:
+        """``small_gemm`` with its plan given (benchmarks and tests): ``rows_of_w`` (1, 2 or 4) rows of
+        the weight per pass, a software prefetch or not, ``threads`` (capped at torch's). Every
+        plan gives the same bits."""
+        x = x.contiguous()
+        rows, n = x.shape[0], weight.shape[0]
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        rc = self._gemm_plan(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, weight.shape[1],
+                             rows_of_w, int(prefetch), threads)
+        if rc == -1:
+            raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
+        if rc:
+            raise ValueError(f"small_gemm's plan takes 1, 2 or 4 rows of w and >= 1 threads, not {rows_of_w} "
+                             f"and {threads}")
+        return y
+
+    def use_old_gemv_plan(self, on: bool) -> None:
+        """Process-wide: ``small_gemm`` (the fused layers' included) streams the weight as issue 18's
+        first version did (benchmarks compare the two in one process; the bits are the same)."""
+        self._old_plan(int(on))
 
     def panel_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for any number of rows, packing the weight panel by panel."""

@@ -33,8 +33,9 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 # CPU linears keep one copy of each weight, as the checkpoint lays it out ([out, in]; no
 # packed second copy), and pick a kernel by row count when specray's kernels serve:
 # - up to SMALL_GEMM_MAX_ROWS rows (the batch-1 GEMV, batched decode, k + 1 verify rows):
-#   cpu_kernels.small_gemm, which streams the weight once (docs/cpu-kernels.md has the
-#   measurements against BLAS's GEMV, and what is still open about them);
+#   cpu_kernels.small_gemm, which streams the weight once, at one row faster than BLAS's
+#   GEMV on every measured shape (docs/cpu-kernels.md), so no shape is routed to BLAS; a
+#   verify step's rows and a decode step's row then take the same kernel and the same bits;
 # - more rows (prefill, wide verify batches): cpu_kernels.panel_gemm, which packs panels of
 #   the weight into a per-thread buffer as it goes. BLAS repacks the whole weight on every
 #   call, which is why a oneDNN-packed copy used to be kept (docs/cpu-kernels.md).

@@ -1,0 +1,148 @@
+"""The batch-1 (and few-row) GEMV of a CPU rank: GB/s of weight read, BLAS against small_gemm.
+
+    python -m benchmarks.bench_gemv [--rows 1,4,6,8] [--threads 1,2] [--rounds 5] [--plans]
+
+For each weight shape of SmolLM2-135M (qkv, o, gate_up, down, LM head and its TP 3 shard)
+and mid-llama (gate_up, down), each row count and thread count: ``F.linear`` (BLAS),
+``small_gemm`` with issue 18's first plan ("old": four rows of w at a time up to 4 rows of
+x, two beyond, a 4 KB software prefetch) and with the tuned plan specray runs ("new"); with
+``--plans`` also every candidate plan (rows of w 1/2/4, prefetch on/off) the tuned one was
+chosen from. Every kernel alternates within each round, in one process (the machine may
+be shared; its memory bandwidth swings), and the fastest of ``--rounds`` counts.
+
+A decode step reads each weight from memory (SmolLM2's 513 MiB do not fit a 32 MiB L3), so
+each timing cycles through enough copies of the weight to exceed ``--footprint-mib``: a
+weight read back from L3 would flatter every kernel. Prints the load average before and
+after and writes the table as JSON to bench-results/gemv.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specray.models.cpu_kernels import load_cpu_kernels
+
+SHAPES = {  # [out, in]
+    "smollm2 qkv": (960, 576),
+    "smollm2 o": (576, 576),
+    "smollm2 gate_up": (3072, 576),
+    "smollm2 down": (576, 1536),
+    "smollm2 lm head": (49152, 576),
+    "smollm2 lm head / 3": (49152 // 3, 576),
+    "mid-llama gate_up": (5632, 1024),
+    "mid-llama down": (1024, 2816),
+}
+CANDIDATES = [(c, pf) for c in (1, 2, 4) for pf in (False, True)]  # (rows of w per pass, prefetch)
+
+
+def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
+    """name -> f(x, w): BLAS, the old and the tuned plan, and with ``plans`` every candidate."""
+    def tuned(x, w):
+        return kernels.small_gemm(x, w, None)
+
+    def old(x, w):
+        kernels.use_old_gemv_plan(True)
+        try:
+            return kernels.small_gemm(x, w, None)
+        finally:
+            kernels.use_old_gemv_plan(False)
+
+    out = {"blas": lambda x, w: F.linear(x, w), "old": old, "new": tuned}
+    if plans:
+        for c, pf in CANDIDATES:
+            out[f"c{c}{'p' if pf else ''}"] = (
+                lambda x, w, c=c, pf=pf: kernels.small_gemm_plan(x, w, None, c, pf, threads))
+    return out
+
+
+def gbps(f, x: torch.Tensor, weights: list[torch.Tensor], min_bytes: int, turn: int) -> float:
+    """GB/s of weight read over enough calls to read min_bytes (at least one), cycling through
+    the copies from copy ``turn`` on; the copy before them is read first, as a warm-up."""
+    size = weights[0].numel() * weights[0].element_size()
+    calls = max(1, -(-min_bytes // size))
+    f(x, weights[(turn - 1) % len(weights)])  # warm-up (code, x, scratch)
+    start = time.perf_counter()
+    for i in range(turn, turn + calls):
+        f(x, weights[i % len(weights)])
+    return calls * size / (time.perf_counter() - start) / 1e9
+
+
+def bench(rows_list, threads_list, rounds: int, footprint: int, read: int, plans: bool) -> list[dict]:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("specray's CPU kernels are not available here (no compiler, or SPECRAY_CPU_KERNELS=0)")
+    results, saved = [], torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    for shape_name, (n, k) in SHAPES.items():
+        size = n * k * 4
+        weights = [torch.randn(n, k, generator=gen) for _ in range(max(2, -(-footprint // size)))]
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen)
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                fs = kernels_under_test(kernels, threads, plans)
+                best = dict.fromkeys(fs, 0.0)
+                turn = 0
+                for _ in range(rounds):
+                    for name, f in fs.items():
+                        best[name] = max(best[name], gbps(f, x, weights, read, turn))
+                        turn += 2 + read // size
+                results.append({"shape": shape_name, "n": n, "k": k, "rows": rows, "threads": threads,
+                                "gbps": {name: round(v, 2) for name, v in best.items()}})
+                print_row(results[-1], first=len(results) == 1)
+        del weights
+    torch.set_num_threads(saved)
+    return results
+
+
+def print_row(r: dict, first: bool) -> None:
+    names = list(r["gbps"])
+    if first:
+        print(f"{'shape':20s} {'rows':>4s} {'thr':>3s} " + " ".join(f"{n:>6s}" for n in names)
+              + f" {'new/blas':>8s} {'new/old':>7s}   (GB/s of weight read)")
+    g = r["gbps"]
+    print(f"{r['shape']:20s} {r['rows']:4d} {r['threads']:3d} " + " ".join(f"{g[n]:6.1f}" for n in names)
+          + f" {g['new'] / g['blas']:8.2f} {g['new'] / g['old']:7.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,4,6,8")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--footprint-mib", type=int, default=128, help="weight copies cycled per timing (> L3)")
+    parser.add_argument("--read-mib", type=int, default=128,
+                        help="weight read per timing (0: one call; with many rounds, the fastest call "
+                             "estimates an uncontended machine's speed)")
+    parser.add_argument("--plans", action="store_true", help="also every candidate plan")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
+    parser.add_argument("--out", default="bench-results/gemv.json")
+    args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        raise SystemExit(f"--shapes: {sorted(unknown)} are not among {list(SHAPES)}")
+    for name in list(SHAPES):
+        if name not in args.shapes.split(","):
+            del SHAPES[name]
+    load_before = os.getloadavg()
+    print(f"load average before {load_before}; torch threads {torch.get_num_threads()}")
+    with torch.inference_mode():
+        results = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
+                        args.rounds, args.footprint_mib * 2**20, args.read_mib * 2**20, args.plans)
+    load_after = os.getloadavg()
+    print(f"load average after {load_after}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
