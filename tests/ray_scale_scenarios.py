@@ -25,11 +25,9 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
-from ray_cluster_scenarios import _is_alive, hit_mid_call
+from ray_cluster_scenarios import hit_mid_call, leftovers
 from faults import STEP_DIR_VAR
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
-from specray.comm.shm import leftover_segments
-from ray.util.placement_group import placement_group_table
 
 NODE = dict(num_cpus=4, object_store_memory=80 << 20, node_ip_address="127.0.0.1")
 NUM_NODES = 4
@@ -57,17 +55,6 @@ def run_job(target: str, drafter: str, runtime_env: dict | None = None) -> tuple
                 geometry={name: g.tokens_per_block for name, g in llm.geometry.items()},
                 ranks=[dict(rank=h["rank"], node_id=h["node_id"], ray_node_id=h["ray_node_id"], kv=h["kv"],
                             allreduce=h["allreduce"], pid=h["pid"]) for h in health]), llm
-
-
-def leftovers(engine, pg) -> dict:
-    deadline = time.monotonic() + 20
-    alive = list(engine.pids)
-    while alive and time.monotonic() < deadline:  # Ray reaps killed actors asynchronously
-        alive = [pid for pid in alive if _is_alive(pid)]
-        time.sleep(0.1)
-    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    return dict(live_pids=alive, actors=[n for n in named if n.startswith(f"specray-{engine.job_id}")],
-                pg_state=placement_group_table(pg)["state"], shm=leftover_segments(engine.job_id))
 
 
 class Timeline:
