@@ -132,9 +132,10 @@ def plot(rows: list[dict], allreduce: dict, path: Path) -> None:
     for key in ("startup_s", "process_start_s", "node_discovery_s", "allreduce_setup_s", "geometry_agreement_s",
                 "decode_step_s"):
         left.plot(worlds, [r[key] or 0 for r in mp_rows], "-o", label=key.removesuffix("_s"))
-    left.set(xscale="log", yscale="log", xlabel="ranks (mp)", ylabel="seconds", title="start-up and decode cost")
-    left.set_xticks(worlds, [str(w) for w in worlds])
-    left.legend(fontsize=8)
+    if mp_rows:  # every world skipped (memory, load): the all-reduce panel alone
+        left.set(xscale="log", yscale="log", xlabel="ranks (mp)", ylabel="seconds", title="start-up and decode cost")
+        left.set_xticks(worlds, [str(w) for w in worlds])
+        left.legend(fontsize=8)
     sizes = sorted(allreduce, key=int)
     right.bar([i - 0.2 for i in range(len(sizes))], [allreduce[s]["flat_us"] for s in sizes], 0.4, label="flat gloo")
     right.bar([i + 0.2 for i in range(len(sizes))], [allreduce[s]["hierarchical_us"] for s in sizes], 0.4,
