@@ -9,7 +9,8 @@ EP = n / MoE TP) under ``mp`` with default parallel settings and a fixed 1024-to
 The ranks write their start-up phases (``SPECRAY_STARTUP_PROFILE_DIR``, specray/startup_phases.py);
 a phase's cost is its maximum over ranks (the slowest rank holds everyone at the next collective),
 "process start" the median delay from ``LLM(...)`` to a rank's first line. The first step is the
-first generate of one token; the decode step is a later 8-token generate divided by 8.
+first generate of one token; the decode step is a later 8-token generate divided by 8, whose
+tokens are checked against one unsharded rank (``local``) on the same checkpoint ("exact").
 
 Writes bench-results/scale.json and bench-results/scale.png and prints a table. The machine is
 shared: a world above 32 runs only while the 1-minute load average is under ``--max-load`` and
@@ -27,8 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.scale_allreduce import measure as measure_allreduce
-from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
+# The simulated Ray cluster stays on loopback, as in the tests (conftest.py, the Makefile): every
+# Ray listener on 127.0.0.1, no auth token to provision.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from benchmarks.scale_allreduce import measure as measure_allreduce  # noqa: E402
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams  # noqa: E402
 
 PHASES = ("process_groups", "node_discovery", "allreduce_setup", "model_load", "geometry_agreement", "plan_channel")
 OUT = Path("bench-results")
@@ -66,13 +72,16 @@ def run_point(model: Path, world: int, **parallel) -> dict:
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, ignore_eos=True))
         first_step_s = time.perf_counter() - t
         t = time.perf_counter()
-        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+        tokens = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         decode_step_s = (time.perf_counter() - t) / 8
     finally:
         llm.close()
         del os.environ["SPECRAY_STARTUP_PROFILE_DIR"]
+    with LLM(EngineConfig(model=str(model), kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))) as one_rank:
+        reference = one_rank.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     ranks = [json.loads(p.read_text()) for p in profile.glob("rank*.json")]
     row = dict(world=world, startup_s=startup_s, first_step_s=first_step_s, decode_step_s=decode_step_s,
+               token_exact=tokens == reference,  # the same 8 greedy tokens as one unsharded rank
                num_profiled=len(ranks),
                process_start_s=statistics.median(r["started_at"] - start for r in ranks) if ranks else None)
     row.update({f"{name}_s": max(r["phases"].get(name, 0.0) for r in ranks) if ranks else None for name in PHASES})
@@ -113,13 +122,13 @@ def ray_point(model: Path, num_nodes: int, per_node: int) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["startup_s", "process_start_s", *[f"{p}_s" for p in PHASES], "first_step_s", "decode_step_s"]
-    print(f"{'launcher':>10} {'world':>5} " + " ".join(f"{c.removesuffix('_s')[:12]:>12}" for c in cols))
+    print(f"{'launcher':>10} {'world':>5} " + " ".join(f"{c.removesuffix('_s')[:12]:>12}" for c in cols) + "  exact")
     for r in rows:
         if "skipped" in r:
             print(f"{r['launcher']:>10} {r['world']:>5} skipped: {r['skipped']}")
             continue
         cells = " ".join(f"{r[c]:12.3f}" if r.get(c) is not None else f"{'-':>12}" for c in cols)
-        print(f"{r['launcher']:>10} {r['world']:>5} {cells}")
+        print(f"{r['launcher']:>10} {r['world']:>5} {cells}  {r['token_exact']}")
 
 
 def plot(rows: list[dict], allreduce: dict, path: Path) -> None:
