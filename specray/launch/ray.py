@@ -36,6 +36,7 @@ from specray.errors import EngineClosed
 from specray.executor.client import EngineClient
 from specray.executor.outputs import AbortRequests
 from specray.launch.procs import RankFailure
+from specray.launch.ray_health import health_reports, last_line, settle_loops
 from specray.launch.ray_placement import RankPlacement, actor_resources, place_ranks
 
 PING_FRACTION, UNRESPONSIVE_FRACTION, SETTLE_FRACTION = 1 / 8, 1 / 2, 1 / 8  # of failure_timeout_s
@@ -142,7 +143,7 @@ class RayEngine:
             try:
                 ray.get(ready[0])
             except Exception as e:
-                raise self._failure(what, errors={refs.index(ready[0]): _last_line(e)}) from None
+                raise self._failure(what, errors={refs.index(ready[0]): last_line(e)}) from None
         return ray.get(refs)
 
     def _send(self, message) -> None:
@@ -242,24 +243,11 @@ class RayEngine:
                  unresponsive: dict[int, float] | None = None) -> RankFailure:
         """Name the ranks whose actor died or hung (or else the first that failed), with their
         nodes; stop the job."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        errors, dead = dict(errors or {}), {}
-        for rank, seconds in (unresponsive or {}).items():
-            dead[rank] = (rank, self._pid(rank), f"no answer to pings for {seconds:.0f} s")
-        settle_s = 0.0 if unresponsive else min(5.0, self.failure_timeout_s * SETTLE_FRACTION)
-        deadline = time.monotonic() + settle_s
-        while self._loops and not dead and time.monotonic() < deadline:
-            ready, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0.1)
-            for ref in ready:
-                rank = self._loops.index(ref)
-                try:
-                    ray.get(ref)
-                except RayActorError:
-                    dead[rank] = (rank, self._pid(rank), "its Ray actor died")
-                except Exception as e:
-                    errors.setdefault(rank, _last_line(e))
+        errors = dict(errors or {})
+        dead = {rank: (rank, self._pid(rank), f"no answer to pings for {seconds:.0f} s")
+                for rank, seconds in (unresponsive or {}).items()}
+        if not dead:
+            dead = settle_loops(self._loops, self._pid, min(5.0, self.failure_timeout_s * SETTLE_FRACTION), errors)
         where = {p.rank: p.describe() for p in self.placements}
         failure = RankFailure.build(what, sorted(dead.values()), errors, detail, where=where)
         self._teardown(disconnect=threading.current_thread() is threading.main_thread())
@@ -271,26 +259,8 @@ class RayEngine:
         return self.pids[rank] if rank < len(self.pids) else "?"
 
     def health(self) -> list[dict]:
-        """One report per rank: where it runs, whether it answered within failure_timeout_s,
-        and what it says of itself (state, device, plan transport, all-reduce paths)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        reports = [dict(rank=p.rank, node_id=p.node_index, local_rank=p.local_rank, ray_node_id=p.ray_node_id,
-                        node_ip=p.node_ip, pid=self._pid(p.rank), is_alive=False) for p in self.placements]
-        if self._closed:
-            return [dict(r, state="closed") for r in reports]
-        refs = [a.health.remote() for a in self._actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_timeout_s)
-        for report, ref in zip(reports, refs):
-            if ref not in ready:
-                report["state"] = f"no answer within {self.failure_timeout_s:g} s"
-                continue
-            try:
-                report.update(ray.get(ref), is_alive=True)
-            except RayActorError as e:
-                report.update(state="dead", error=_last_line(e))
-        return reports
+        """One report per rank (``ray_health.health_reports``), each answer awaited failure_timeout_s."""
+        return health_reports(self.placements, self._actors, self._pid, self.failure_timeout_s, self._closed)
 
     def close(self) -> None:
         import ray
@@ -326,8 +296,3 @@ class RayEngine:
             ray.shutdown()
             self._owns_ray = False
 
-
-def _last_line(error: BaseException) -> str:
-    """A remote error's last line: Ray's message carries the whole remote traceback."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"
