@@ -170,7 +170,10 @@ def main() -> None:
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--lm-head-rows", choices=("last", "all"), default="last")
+    parser.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0: as they are")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     labels, modes = args.steps.split(","), args.modes.split(",")
     if set(labels) - set(STEPS):
         raise SystemExit(f"--steps: {sorted(set(labels) - set(STEPS))} are not among {list(STEPS)}")

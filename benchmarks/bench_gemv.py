@@ -8,7 +8,8 @@ and mid-llama (gate_up, down), each row count and thread count: ``F.linear`` (BL
 x, two beyond, a 4 KB software prefetch into L1), with the plans before the verify-step work
 ("prev": the tuned batch-1 GEMV, "old" at 2+ rows) and with the tuned plans specray runs
 ("new"); with ``--plans`` also every candidate plan the tuned ones were chosen from, named
-c<rows of w>[p: L1 prefetch, q: L2 prefetch][h: 8-float halves]. Every kernel alternates within each round, in one process (the machine may
+c<rows of w>[p: L1 prefetch, q: L2 prefetch][h: 8-float halves, k: halves in chunks of K].
+Every kernel alternates within each round, in one process (the machine may
 be shared; its memory bandwidth swings), and the fastest of ``--rounds`` counts.
 
 A decode step reads each weight from memory (SmolLM2's 513 MiB do not fit a 32 MiB L3), so
@@ -40,8 +41,8 @@ SHAPES = {  # [out, in]
     "mid-llama gate_up": (5632, 1024),
     "mid-llama down": (1024, 2816),
 }
-# (rows of w per pass, prefetch: 0 none / 1 L1 / 2 L2, 8-float halves)
-CANDIDATES = [(c, pf, False) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, True) for pf in (0, 1, 2)]
+# (rows of w per pass, prefetch: 0 none / 1 L1 / 2 L2, 8-float halves: 0 no / 1 yes / 2 in chunks of K)
+CANDIDATES = [(c, pf, 0) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, h) for pf in (0, 1, 2) for h in (1, 2)]
 
 
 def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
@@ -62,7 +63,7 @@ def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
            "new": tuned}
     if plans:
         for c, pf, halves in CANDIDATES:
-            out[f"c{c}{['', 'p', 'q'][pf]}{'h' if halves else ''}"] = (
+            out[f"c{c}{['', 'p', 'q'][pf]}{['', 'h', 'k'][halves]}"] = (
                 lambda x, w, c=c, pf=pf, h=halves: kernels.small_gemm_plan(x, w, None, c, pf, threads, h))
     return out
 

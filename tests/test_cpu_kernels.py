@@ -93,8 +93,8 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count(rows, n, k, kernels)
     assert torch.equal(one, two)
 
 
-# rows of w per pass, software prefetch (0 none, 1 into L1, 2 into L2), 8-float halves
-PLANS = [(c, pf, False) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, True) for pf in (0, 1, 2)]
+# rows of w per pass, software prefetch (0 none, 1 into L1, 2 into L2), 8-float halves (2: in chunks of K)
+PLANS = [(c, pf, 0) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, h) for pf in (0, 1, 2) for h in (1, 2)]
 
 
 @pytest.mark.parametrize("n, k", [(1, 17), (67, 577), (130, 1024), (49152 // 3, 576)])
@@ -144,9 +144,8 @@ def test_unknown_gemv_plans_are_rejected(kernels):
         kernels.use_gemv_plans("fast")
 
 
-@pytest.mark.parametrize("rows_of_w, prefetch, threads, halves", [(3, 0, 1, False), (0, 0, 1, False),
-                                                                  (1, 0, 0, False), (1, 3, 1, False),
-                                                                  (2, 0, 1, True)])
+@pytest.mark.parametrize("rows_of_w, prefetch, threads, halves", [(3, 0, 1, 0), (0, 0, 1, 0), (1, 0, 0, 0),
+                                                                  (1, 3, 1, 0), (2, 0, 1, 1), (1, 0, 1, 3)])
 def test_a_bad_gemv_plan_is_rejected(rows_of_w, prefetch, threads, halves, kernels):
     with pytest.raises(ValueError, match=f"not {rows_of_w}, {prefetch}, {threads} and {halves}"):
         kernels.small_gemm_plan(torch.randn(1, 16), torch.randn(4, 16), None, rows_of_w, prefetch, threads, halves)

@@ -132,11 +132,11 @@ class CpuKernels(FusedLayerKernels):
         return y
 
     def small_gemm_plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_of_w: int,
-                        prefetch: int, threads: int, halves: bool = False) -> torch.Tensor:
+                        prefetch: int, threads: int, halves: int = 0) -> torch.Tensor:
         """``small_gemm`` with its plan given (benchmarks and tests): ``rows_of_w`` (1, 2 or 4) rows of
         the weight per pass, ``prefetch`` 0 (none), 1 (into L1, 4 KB ahead) or 2 (into L2),
-        ``threads`` (capped at torch's), ``halves``: 8-float FMAs (one row of w only). Every plan
-        gives the same bits."""
+        ``threads`` (capped at torch's), ``halves`` 0, 1 (8-float FMAs) or 2 (the same, walking K
+        in L1-sized chunks of x), 1 and 2 with one row of w only. Every plan gives the same bits."""
         x = x.contiguous()
         rows, n = x.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -146,8 +146,8 @@ class CpuKernels(FusedLayerKernels):
             raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
         if rc:
             raise ValueError(f"small_gemm's plan takes 1, 2 or 4 rows of w, prefetch 0, 1 or 2, >= 1 threads and "
-                             f"halves only with 1 row of w, not {rows_of_w}, {int(prefetch)}, {threads} and "
-                             f"{bool(halves)}")
+                             f"halves 0, 1 or 2 (1 and 2 with 1 row of w only), not {rows_of_w}, {int(prefetch)}, "
+                             f"{threads} and {int(halves)}")
         return y
 
     def use_gemv_plans(self, which: str) -> None:
