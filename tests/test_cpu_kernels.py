@@ -259,3 +259,15 @@ def test_without_a_compiler_the_kernel_tests_skip_and_say_why(monkeypatch):
     monkeypatch.setenv("CC", "specray-test-no-such-compiler")
     with pytest.raises(pytest.skip.Exception, match="no C compiler on this machine .*'specray-test-no-such-compiler'"):
         built_kernels()
+
+
+@pytest.mark.parametrize("inter", [1, 16, 37, 1536])
+def test_silu_mul_matches_torch(inter, kernels):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=gen) * 4
+    gate_up[0, : min(inter, 4)] = torch.tensor([-200.0, -88.5, 90.0, 0.0])[: min(inter, 4)]  # past exp's range, 0
+    act = kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    # Tolerance: a degree-6 polynomial exp (relative error ~2e-7) against torch's exp
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kernels.silu_mul(gate_up[2:3]), act[2:3])  # a row alone: the same bits

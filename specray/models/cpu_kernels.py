@@ -106,6 +106,9 @@ class CpuKernels(FusedLayerKernels):
         self._attn = lib.specray_paged_attention
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
+        self._silu = lib.specray_silu_mul
+        self._silu.argtypes = [ptr] * 2 + [i64] * 2
+        self._silu.restype = None
         self._rope = lib.specray_rope_store_kv
         self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
@@ -178,6 +181,14 @@ class CpuKernels(FusedLayerKernels):
         dim = x.shape[-1]
         self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
         return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a contiguous float32 [rows, 2 * inter] fused projection (the fused
+        MLP's activation)."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        act = torch.empty(rows, inter, dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), act.data_ptr(), rows, inter)
+        return act
 
     def rope_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                       pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

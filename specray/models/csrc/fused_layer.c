@@ -20,6 +20,7 @@ int specray_small_gemm(const float *x, const float *w, const float *bias, float 
 void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
                            int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
                            const int64_t *slots, int64_t block_size);
+void specray_silu_mul(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
                              const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
@@ -113,11 +114,7 @@ int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, flo
     int rc = specray_small_gemm(h, F(layer[GATE_UP_W]), NULL, gate_up, M, 2 * I, H);
     TOCK(P_GATE_UP);
     if (!rc) {
-        for (int64_t r = 0; r < M; ++r)
-            for (int64_t i = 0; i < I; ++i) {
-                const float g = gate_up[r * 2 * I + i];
-                act[r * I + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * I + I + i];
-            }
+        specray_silu_mul(gate_up, act, M, I);
         TOCK(P_SILU);
         rc = specray_small_gemm(act, F(layer[DOWN_W]), NULL, out, M, H, I);
         TOCK(P_DOWN);
