@@ -80,20 +80,25 @@ static inline vec exp_nonpositive(vec x) {
  * clamped to [e^-87, e^88]; the few floats past a multiple of 16 in a padded vector), so
  * every element goes through the same arithmetic whatever its row, the row count and the
  * thread count. Within a few float32 ulps of torch's silu (tests/test_fused_decode.py). */
+static inline vec silu_mul(vec g, vec u) {
+    vec e = -g;
+    const vec hi = e - e + 88.0f;
+    e = exp_nonpositive(blend(e > hi, hi, e)); /* valid up to 88 (2^127) as well */
+    return g / (1.0f + e) * u;
+}
+
 void specray_silu_mul(const float *gate_up, float *act, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *a = act + r * inter;
-        for (int64_t i = 0; i < inter; i += LANES) {
-            const int64_t n = min64(LANES, inter - i);
+        int64_t i = 0;
+        for (; i + LANES <= inter; i += LANES) store(a + i, silu_mul(load(g + i), load(u + i)));
+        if (i < inter) { /* the tail, padded with zeros */
             vec gv = {0}, uv = {0};
-            memcpy(&gv, g + i, n * sizeof(float));
-            memcpy(&uv, u + i, n * sizeof(float));
-            vec e = -gv;
-            const vec hi = e - e + 88.0f;
-            e = exp_nonpositive(blend(e > hi, hi, e)); /* valid up to 88 (2^127) as well */
-            const vec out = gv / (1.0f + e) * uv;
-            memcpy(a + i, &out, n * sizeof(float));
+            memcpy(&gv, g + i, (inter - i) * sizeof(float));
+            memcpy(&uv, u + i, (inter - i) * sizeof(float));
+            const vec out = silu_mul(gv, uv);
+            memcpy(a + i, &out, (inter - i) * sizeof(float));
         }
     }
 }
