@@ -271,3 +271,27 @@ def test_silu_mul_matches_torch(inter, kernels):
     # Tolerance: a degree-6 polynomial exp (relative error ~2e-7) against torch's exp
     torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
     assert torch.equal(kernels.silu_mul(gate_up[2:3]), act[2:3])  # a row alone: the same bits
+
+
+def test_paged_attention_bits_do_not_depend_on_threads_or_blocking(kernels):
+    # one sequence's 6 verify rows over 3 kv heads: at 2 threads its queries are split into
+    # smaller blocks than at 1; each query's bits must stay the same (and a row alone's too)
+    gen = torch.Generator().manual_seed(21)
+    heads, kv_heads, dim, block_size, ctx, rows = 9, 3, 64, 16, 134, 6
+    pool = torch.randn(10, 2, kv_heads, block_size, dim, generator=gen)
+    tables = torch.arange(1, 10, dtype=torch.int64)[None]
+    q = torch.randn(rows, heads, dim, generator=gen)
+
+    def attend(queries, context, threads):
+        torch.set_num_threads(threads)
+        lens = torch.tensor([context], dtype=torch.int64)
+        return kernels.paged_attention(queries, pool, tables, lens, torch.tensor([queries.shape[0]]),
+                                       torch.tensor([0]), True, 0.125)
+    saved = torch.get_num_threads()
+    try:
+        one, two = attend(q, ctx, 1), attend(q, ctx, 2)
+        alone = attend(q[:1].contiguous(), ctx - rows + 1, 2)  # the first row as a decode step sees it
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two)
+    assert torch.equal(alone, two[:1])
