@@ -249,8 +249,13 @@ int specray_small_gemm(const float *x, const float *w, const float *bias, float 
     const int all = omp_get_max_threads();
     if (plans_in_use == FIRST_PLAN || (plans_in_use == PLANS_BEFORE_VERIFY_WORK && M > 1))
         return specray_small_gemm_plan(x, w, bias, y, M, N, K, M <= 4 ? 4 : 2, L1_PREFETCH, all, 0);
-    if (M > 1) { /* docs/cpu-kernels.md, "Verify steps (2-8 rows)" */
-        const int halves = (double)(M < ROW_BLOCK ? M : ROW_BLOCK) * K * sizeof(float) > X_IN_L1_BYTES ? 2 : 1;
+    /* 2+ rows (docs/cpu-kernels.md, "Verify steps (2-8 rows)"): the weight prefetched into L2,
+     * which the loop's FMAs (M per 16 floats of w) would otherwise leave waiting on memory;
+     * up to 8 rows one row of w at a time, in chunks of K where the rows of x overflow L1;
+     * past 8 rows, two rows of w share each load of x. */
+    if (M > ROW_BLOCK) return specray_small_gemm_plan(x, w, bias, y, M, N, K, 2, L2_PREFETCH, all, 0);
+    if (M > 1) {
+        const int halves = (double)M * K * sizeof(float) > X_IN_L1_BYTES ? 2 : 1;
         return specray_small_gemm_plan(x, w, bias, y, M, N, K, 1, L2_PREFETCH, all, halves);
     }
     /* M = 1: one row of w at a time, no software prefetch: one sequential stream per thread,
