@@ -11,7 +11,6 @@
  * all-reduce (a tensor-parallel group of one). The steps are the kernels of small_gemm.c and
  * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
