@@ -10,9 +10,15 @@
   beyond;
 - "fused": as specray runs now: decode and verify steps through ``fused_decode.py`` (one C
   call over every layer at TP 1); prefill as "modules";
-- "fused old": "fused" with ``small_gemm``'s first plan (``CpuKernels.use_old_gemv_plan``:
+- "fused old": "fused" with ``small_gemm``'s first plan (``CpuKernels.use_gemv_plans("first")``:
   four rows of w per pass at M = 1, every thread): the tuned GEMV plan's effect alone (the two
-  give the same bits).
+  give the same bits);
+- "fused prev": "fused" with the plans before the verify-step work (``use_gemv_plans("before
+  verify work")``: the tuned batch-1 GEMV, the first plan at 2+ rows).
+
+``--modes`` picks some of them; ``--lm-head-rows all`` scores every row of a verify step
+through the LM head, as the engine's verify step does (``workers/spec_step.py``), instead of
+the last row of each sequence.
 
 Each step is one model forward plus the LM head on the last row of each sequence, float32,
 on the current torch threads: decode of 1, 4 and 8 sequences (1 row each, 128 tokens
@@ -43,7 +49,8 @@ from specray.models.presets import resolve_model
 
 CONTEXT = 128  # tokens cached before a decode or verify step
 BLOCK = 16
-MODES = ("before", "modules", "fused", "fused old")
+MODES = ("before", "modules", "fused", "fused old", "fused prev")
+PLANS = {"fused": "tuned", "fused old": "first", "fused prev": "before verify work"}
 STEPS = {"decode x1": (1, 1), "verify 1x4": (1, 4), "verify 1x6": (1, 6), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
 
 
@@ -78,8 +85,9 @@ def before_issue_18(packed: dict[int, torch.Tensor]):
         layers.linear = current
 
 
-def make_step(model, num_seqs: int, rows: int):
-    """A closure running one step of ``num_seqs`` sequences with ``rows`` new tokens each."""
+def make_step(model, num_seqs: int, rows: int, lm_head_rows: str = "last"):
+    """A closure running one step of ``num_seqs`` sequences with ``rows`` new tokens each, the
+    LM head on the last row of each ("last") or, for a verify step, on every row ("all")."""
     arch = model.arch
     prefill = rows > 1 and num_seqs == 1 and rows == 128
     cached = 0 if prefill else CONTEXT
@@ -90,6 +98,8 @@ def make_step(model, num_seqs: int, rows: int):
     positions, meta = build_metadata(tables, BLOCK, [cached] * num_seqs, [rows] * num_seqs, torch.device("cpu"))
     ids = torch.randint(0, arch.vocab_size, (num_seqs * rows,))
     last = torch.arange(rows - 1, num_seqs * rows, rows)
+    if lm_head_rows == "all" and not prefill:
+        last = torch.arange(num_seqs * rows)
 
     def step():
         meta.derived.clear()
@@ -119,34 +129,38 @@ def time_once(step) -> float:
 
 
 @torch.inference_mode()
-def bench_model(name: str, rounds: int, labels: list[str]) -> None:
+def bench_model(name: str, rounds: int, labels: list[str], modes: list[str], lm_head_rows: str) -> None:
     model = load_model(resolve_model(name), DistContext.single(), "float32")
     weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
-    packed = packed_copies(model)
+    packed = packed_copies(model) if "before" in modes else {}
     packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
-    steps = {label: make_step(model, *STEPS[label]) for label in labels}
-    best = {(label, mode): float("inf") for label in labels for mode in MODES}
+    steps = {label: make_step(model, *STEPS[label], lm_head_rows) for label in labels}
+    best = {(label, mode): float("inf") for label in labels for mode in modes}
     kernels = load_cpu_kernels()
     floor_weights, floor = floor_inputs(weight_shapes(model.arch)), float("inf")
     for _ in range(rounds):
         for label, step in steps.items():
-            for mode in MODES:
+            for mode in modes:
                 model.is_fused = mode.startswith("fused")
-                kernels.use_old_gemv_plan(mode == "fused old")
+                kernels.use_gemv_plans(PLANS.get(mode, "tuned"))
                 with before_issue_18(packed) if mode == "before" else contextlib.nullcontext():
                     step()  # warm-up of this mode
                     best[label, mode] = min(best[label, mode], time_once(step))
-                kernels.use_old_gemv_plan(False)
+                kernels.use_gemv_plans("tuned")
         floor = min(floor, gemv_pass_ms(*floor_weights))
     model.is_fused = True
     print(f"\n{name}: weights {weight_bytes / 2**20:.0f} MiB; before {(weight_bytes + packed_bytes) / 2**20:.0f} MiB "
-          f"(+ packed copies), now {weight_bytes / 2**20:.0f} MiB; GEMV floor of a batch-1 step {floor:.2f} ms")
-    print(f"{'step':12s} {'before ms':>10s} {'modules ms':>11s} {'fused ms':>9s} {'fused old ms':>13s} "
-          f"{'modules/before':>15s} {'fused/before':>13s} {'old/fused':>10s} {'floor/fused':>12s}")
+          f"(+ packed copies), now {weight_bytes / 2**20:.0f} MiB; GEMV floor of a batch-1 step {floor:.2f} ms; "
+          f"LM head on the {lm_head_rows} rows of a verify step")
+    ratios = [(a, b) for a, b in (("before", "modules"), ("before", "fused"), ("fused old", "fused"),
+                                  ("fused prev", "fused")) if a in modes and b in modes]
+    print(f"{'step':12s} " + " ".join(f"{m + ' ms':>13s}" for m in modes) + " "
+          + " ".join(f"{a + '/' + b:>17s}" for a, b in ratios) + f" {'floor/fused':>12s}")
     for label in labels:
-        b, m, f, o = (best[label, mode] * 1e3 for mode in MODES)
-        print(f"{label:12s} {b:10.2f} {m:11.2f} {f:9.2f} {o:13.2f} {b / m:15.2f} {b / f:13.2f} {o / f:10.2f} "
-              f"{floor / f:12.2f}")
+        ms = {mode: best[label, mode] * 1e3 for mode in modes}
+        floor_col = f" {floor / ms['fused']:12.2f}" if "fused" in ms else ""
+        print(f"{label:12s} " + " ".join(f"{ms[m]:13.2f}" for m in modes) + " "
+              + " ".join(f"{ms[a] / ms[b]:17.2f}" for a, b in ratios) + floor_col)
 
 
 def main() -> None:
@@ -154,13 +168,20 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,mid-llama")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
+    parser.add_argument("--lm-head-rows", choices=("last", "all"), default="last")
+    parser.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0: as they are")
     args = parser.parse_args()
-    labels = args.steps.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    labels, modes = args.steps.split(","), args.modes.split(",")
     if set(labels) - set(STEPS):
         raise SystemExit(f"--steps: {sorted(set(labels) - set(STEPS))} are not among {list(STEPS)}")
+    if set(modes) - set(MODES):
+        raise SystemExit(f"--modes: {sorted(set(modes) - set(MODES))} are not among {list(MODES)}")
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()}")
     for name in args.models.split(","):
-        bench_model(name, args.rounds, labels)
+        bench_model(name, args.rounds, labels, modes, args.lm_head_rows)
     print(f"load average after {os.getloadavg()}")
 
 

@@ -5,9 +5,11 @@
 For each weight shape of SmolLM2-135M (qkv, o, gate_up, down, LM head and its TP 3 shard)
 and mid-llama (gate_up, down), each row count and thread count: ``F.linear`` (BLAS),
 ``small_gemm`` with issue 18's first plan ("old": four rows of w at a time up to 4 rows of
-x, two beyond, a 4 KB software prefetch) and with the tuned plan specray runs ("new"); with
-``--plans`` also every candidate plan (rows of w 1/2/4, prefetch on/off) the tuned one was
-chosen from. Every kernel alternates within each round, in one process (the machine may
+x, two beyond, a 4 KB software prefetch into L1), with the plans before the verify-step work
+("prev": the tuned batch-1 GEMV, "old" at 2+ rows) and with the tuned plans specray runs
+("new"); with ``--plans`` also every candidate plan the tuned ones were chosen from, named
+c<rows of w>[p: L1 prefetch, q: L2 prefetch][h: 8-float halves, k: halves in chunks of K].
+Every kernel alternates within each round, in one process (the machine may
 be shared; its memory bandwidth swings), and the fastest of ``--rounds`` counts.
 
 A decode step reads each weight from memory (SmolLM2's 513 MiB do not fit a 32 MiB L3), so
@@ -39,7 +41,8 @@ SHAPES = {  # [out, in]
     "mid-llama gate_up": (5632, 1024),
     "mid-llama down": (1024, 2816),
 }
-CANDIDATES = [(c, pf) for c in (1, 2, 4) for pf in (False, True)]  # (rows of w per pass, prefetch)
+# (rows of w per pass, prefetch: 0 none / 1 L1 / 2 L2, 8-float halves: 0 no / 1 yes / 2 in chunks of K)
+CANDIDATES = [(c, pf, 0) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, h) for pf in (0, 1, 2) for h in (1, 2)]
 
 
 def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
@@ -47,18 +50,21 @@ def kernels_under_test(kernels, threads: int, plans: bool) -> dict:
     def tuned(x, w):
         return kernels.small_gemm(x, w, None)
 
-    def old(x, w):
-        kernels.use_old_gemv_plan(True)
-        try:
-            return kernels.small_gemm(x, w, None)
-        finally:
-            kernels.use_old_gemv_plan(False)
+    def with_plans(which):
+        def f(x, w):
+            kernels.use_gemv_plans(which)
+            try:
+                return kernels.small_gemm(x, w, None)
+            finally:
+                kernels.use_gemv_plans("tuned")
+        return f
 
-    out = {"blas": lambda x, w: F.linear(x, w), "old": old, "new": tuned}
+    out = {"blas": lambda x, w: F.linear(x, w), "old": with_plans("first"), "prev": with_plans("before verify work"),
+           "new": tuned}
     if plans:
-        for c, pf in CANDIDATES:
-            out[f"c{c}{'p' if pf else ''}"] = (
-                lambda x, w, c=c, pf=pf: kernels.small_gemm_plan(x, w, None, c, pf, threads))
+        for c, pf, halves in CANDIDATES:
+            out[f"c{c}{['', 'p', 'q'][pf]}{['', 'h', 'k'][halves]}"] = (
+                lambda x, w, c=c, pf=pf, h=halves: kernels.small_gemm_plan(x, w, None, c, pf, threads, h))
     return out
 
 
@@ -106,10 +112,10 @@ def print_row(r: dict, first: bool) -> None:
     names = list(r["gbps"])
     if first:
         print(f"{'shape':20s} {'rows':>4s} {'thr':>3s} " + " ".join(f"{n:>6s}" for n in names)
-              + f" {'new/blas':>8s} {'new/old':>7s}   (GB/s of weight read)")
+              + f" {'new/blas':>8s} {'new/old':>7s} {'new/prev':>8s}   (GB/s of weight read)")
     g = r["gbps"]
     print(f"{r['shape']:20s} {r['rows']:4d} {r['threads']:3d} " + " ".join(f"{g[n]:6.1f}" for n in names)
-          + f" {g['new'] / g['blas']:8.2f} {g['new'] / g['old']:7.2f}", flush=True)
+          + f" {g['new'] / g['blas']:8.2f} {g['new'] / g['old']:7.2f} {g['new'] / g['prev']:8.2f}", flush=True)
 
 
 def main() -> None:

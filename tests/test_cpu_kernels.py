@@ -93,15 +93,16 @@ def test_small_gemm_is_bitwise_the_same_at_any_thread_count(rows, n, k, kernels)
     assert torch.equal(one, two)
 
 
-PLANS = [(c, pf) for c in (1, 2, 4) for pf in (False, True)]  # rows of w per pass, software prefetch
+# rows of w per pass, software prefetch (0 none, 1 into L1, 2 into L2), 8-float halves (2: in chunks of K)
+PLANS = [(c, pf, 0) for c in (1, 2, 4) for pf in (0, 1, 2)] + [(1, pf, h) for pf in (0, 1, 2) for h in (1, 2)]
 
 
 @pytest.mark.parametrize("n, k", [(1, 17), (67, 577), (130, 1024), (49152 // 3, 576)])
-@pytest.mark.parametrize("rows_of_w, prefetch", PLANS)
-def test_every_gemv_plan_matches_torch_mv(n, k, rows_of_w, prefetch, kernels):
+@pytest.mark.parametrize("rows_of_w, prefetch, halves", PLANS)
+def test_every_gemv_plan_matches_torch_mv(n, k, rows_of_w, prefetch, halves, kernels):
     gen = torch.Generator().manual_seed(n * 3 + k)
     x, w = torch.randn(k, generator=gen), torch.randn(n, k, generator=gen)
-    y = kernels.small_gemm_plan(x[None], w, None, rows_of_w, prefetch, 2)[0]
+    y = kernels.small_gemm_plan(x[None], w, None, rows_of_w, prefetch, 2, halves)[0]
     # Tolerance: two float32 summation orders of k products, as above
     torch.testing.assert_close(y, torch.mv(w, x), rtol=1e-5, atol=1e-4)
 
@@ -115,31 +116,39 @@ def test_every_plan_thread_count_and_row_count_gives_the_same_bits(kernels):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for rows_of_w, prefetch in PLANS:
-                for rows in (1, 4, 6, 9):
-                    y = kernels.small_gemm_plan(x[:rows], w, b, rows_of_w, prefetch, t)
-                    assert torch.equal(y[:1], reference), (t, rows_of_w, prefetch, rows)
-                    assert torch.equal(y, kernels.small_gemm(x[:rows], w, b)), (t, rows_of_w, prefetch, rows)
+            for plan in PLANS:
+                for rows in (1, 2, 4, 6, 8, 9):
+                    y = kernels.small_gemm_plan(x[:rows], w, b, *plan[:2], t, plan[2])
+                    assert torch.equal(y[:1], reference), (t, plan, rows)
+                    assert torch.equal(y, kernels.small_gemm(x[:rows], w, b)), (t, plan, rows)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_the_old_plan_gives_the_same_bits(kernels):
+@pytest.mark.parametrize("plans", ["first", "before verify work"])
+def test_the_old_plans_give_the_same_bits(plans, kernels):
     gen = torch.Generator().manual_seed(12)
-    x, w = torch.randn(6, 1536, generator=gen), torch.randn(577, 1536, generator=gen)
-    new = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 6)]
-    kernels.use_old_gemv_plan(True)
+    x, w = torch.randn(8, 1536, generator=gen), torch.randn(577, 1536, generator=gen)
+    new = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 4, 6, 8)]
+    kernels.use_gemv_plans(plans)
     try:
-        old = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 6)]
+        old = [kernels.small_gemm(x[:rows], w, None) for rows in (1, 4, 6, 8)]
     finally:
-        kernels.use_old_gemv_plan(False)
+        kernels.use_gemv_plans("tuned")
     assert all(torch.equal(a, b) for a, b in zip(new, old))
+    assert all(torch.equal(a[:1], new[0]) for a in new)  # a verify row = the decode step's row
 
 
-@pytest.mark.parametrize("rows_of_w, threads", [(3, 1), (0, 1), (1, 0)])
-def test_a_bad_gemv_plan_is_rejected(rows_of_w, threads, kernels):
-    with pytest.raises(ValueError, match=f"1, 2 or 4 rows of w and >= 1 threads, not {rows_of_w} and {threads}"):
-        kernels.small_gemm_plan(torch.randn(1, 16), torch.randn(4, 16), None, rows_of_w, False, threads)
+def test_unknown_gemv_plans_are_rejected(kernels):
+    with pytest.raises(ValueError, match="gemv plans must be one of .*'tuned'.*, not 'fast'"):
+        kernels.use_gemv_plans("fast")
+
+
+@pytest.mark.parametrize("rows_of_w, prefetch, threads, halves", [(3, 0, 1, 0), (0, 0, 1, 0), (1, 0, 0, 0),
+                                                                  (1, 3, 1, 0), (2, 0, 1, 1), (1, 0, 1, 3)])
+def test_a_bad_gemv_plan_is_rejected(rows_of_w, prefetch, threads, halves, kernels):
+    with pytest.raises(ValueError, match=f"not {rows_of_w}, {prefetch}, {threads} and {halves}"):
+        kernels.small_gemm_plan(torch.randn(1, 16), torch.randn(4, 16), None, rows_of_w, prefetch, threads, halves)
 
 
 def test_small_gemm_rejects_too_many_rows(kernels):
@@ -250,3 +259,39 @@ def test_without_a_compiler_the_kernel_tests_skip_and_say_why(monkeypatch):
     monkeypatch.setenv("CC", "specray-test-no-such-compiler")
     with pytest.raises(pytest.skip.Exception, match="no C compiler on this machine .*'specray-test-no-such-compiler'"):
         built_kernels()
+
+
+@pytest.mark.parametrize("inter", [1, 16, 37, 1536])
+def test_silu_mul_matches_torch(inter, kernels):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=gen) * 4
+    gate_up[0, : min(inter, 4)] = torch.tensor([-200.0, -88.5, 90.0, 0.0])[: min(inter, 4)]  # past exp's range, 0
+    act = kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    # Tolerance: a degree-6 polynomial exp (relative error ~2e-7) against torch's exp
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kernels.silu_mul(gate_up[2:3]), act[2:3])  # a row alone: the same bits
+
+
+def test_paged_attention_bits_do_not_depend_on_threads_or_blocking(kernels):
+    # one sequence's 6 verify rows over 3 kv heads: at 2 threads its queries are split into
+    # smaller blocks than at 1; each query's bits must stay the same (and a row alone's too)
+    gen = torch.Generator().manual_seed(21)
+    heads, kv_heads, dim, block_size, ctx, rows = 9, 3, 64, 16, 134, 6
+    pool = torch.randn(10, 2, kv_heads, block_size, dim, generator=gen)
+    tables = torch.arange(1, 10, dtype=torch.int64)[None]
+    q = torch.randn(rows, heads, dim, generator=gen)
+
+    def attend(queries, context, threads):
+        torch.set_num_threads(threads)
+        lens = torch.tensor([context], dtype=torch.int64)
+        return kernels.paged_attention(queries, pool, tables, lens, torch.tensor([queries.shape[0]]),
+                                       torch.tensor([0]), True, 0.125)
+    saved = torch.get_num_threads()
+    try:
+        one, two = attend(q, ctx, 1), attend(q, ctx, 2)
+        alone = attend(q[:1].contiguous(), ctx - rows + 1, 2)  # the first row as a decode step sees it
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two)
+    assert torch.equal(alone, two[:1])

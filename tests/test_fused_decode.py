@@ -38,6 +38,28 @@ def _step(model, pools, tables, block_size, starts, query_lens, ids, *, fused: b
         model.is_fused = True
 
 
+def test_a_verify_row_gets_the_decode_steps_bits(model, kernels, monkeypatch):
+    # the engine accepts a draft by comparing verify rows with what decoding would give:
+    # the fused step's first verify row must be the decode step's row, bit for bit, at any
+    # row count (small_gemm's plans differ with the rows; the summation order must not)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    arch, gen, block_size = model.arch, torch.Generator().manual_seed(5), 16
+    prompt_len, tables = 40, [[1, 2, 3, 4]]
+    pools = [torch.zeros(6, 2, model.num_local_kv_heads, block_size, arch.head_dim) for _ in range(arch.num_layers)]
+    prompt = torch.randint(0, arch.vocab_size, (prompt_len,), generator=gen)
+    _step(model, pools, tables, block_size, [0], [prompt_len], prompt, fused=False)  # prefill: SDPA path
+    calls = []
+    real = fused_decode.fused_layers
+    monkeypatch.setattr(decoder, "fused_layers", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, arch.vocab_size, (8,), generator=gen)
+    decode = _step(model, [p.clone() for p in pools], tables, block_size, [prompt_len], [1], ids[:1], fused=True)
+    for rows in (2, 4, 6, 8):
+        verify = _step(model, [p.clone() for p in pools], tables, block_size, [prompt_len], [rows], ids[:rows],
+                       fused=True)
+        assert torch.equal(verify[:1], decode), rows
+    assert len(calls) == 5  # every step took the fused path
+
+
 @pytest.mark.parametrize("block_size", PAGE_SIZES)
 def test_fused_steps_match_the_torch_path(model, block_size, kernels, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
@@ -60,7 +82,7 @@ def test_fused_steps_match_the_torch_path(model, block_size, kernels, monkeypatc
         reference = _step(model, snapshot, tables, block_size, prompt_lens, query_lens, ids, fused=False)
         fused = _step(model, pools, tables, block_size, prompt_lens, query_lens, ids, fused=True)
         # Tolerance: the fused path runs the same float32 kernels as the module path but
-        # computes silu with expf where torch uses its vectorised exp, and sums the
+        # computes silu with its own polynomial exp (specray_silu_mul), and sums the
         # residual adds in place; the logits agree to ~1e-5 relative over 30 layers.
         torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
         assert torch.equal(fused.argmax(-1), reference.argmax(-1))

@@ -45,6 +45,7 @@ HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_TIMEOUT_S = 120
 STALE_BUILD_DAYS = 30  # builds of other source versions unused this long are deleted
+GEMV_PLANS = ("tuned", "first", "before verify work")  # small_gemm.c's enum, in its order
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -91,11 +92,11 @@ class CpuKernels(FusedLayerKernels):
         self._gemm.argtypes = [ptr] * 4 + [i64] * 3
         self._gemm.restype = ctypes.c_int
         self._gemm_plan = lib.specray_small_gemm_plan
-        self._gemm_plan.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int] * 3
+        self._gemm_plan.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int] * 4
         self._gemm_plan.restype = ctypes.c_int
-        self._old_plan = lib.specray_small_gemm_use_old_plan
-        self._old_plan.argtypes = [ctypes.c_int]
-        self._old_plan.restype = None
+        self._use_plans = lib.specray_small_gemm_use_plans
+        self._use_plans.argtypes = [ctypes.c_int]
+        self._use_plans.restype = None
         self._panel = lib.specray_panel_gemm
         self._panel.argtypes = [ptr] * 4 + [i64] * 3
         self._panel.restype = ctypes.c_int
@@ -105,6 +106,9 @@ class CpuKernels(FusedLayerKernels):
         self._attn = lib.specray_paged_attention
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
+        self._silu = lib.specray_silu_mul
+        self._silu.argtypes = [ptr] * 2 + [i64] * 2
+        self._silu.restype = None
         self._rope = lib.specray_rope_store_kv
         self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
@@ -131,26 +135,36 @@ class CpuKernels(FusedLayerKernels):
         return y
 
     def small_gemm_plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_of_w: int,
-                        prefetch: bool, threads: int) -> torch.Tensor:
+                        prefetch: int, threads: int, halves: int = 0) -> torch.Tensor:
         """``small_gemm`` with its plan given (benchmarks and tests): ``rows_of_w`` (1, 2 or 4) rows of
-        the weight per pass, a software prefetch or not, ``threads`` (capped at torch's). Every
-        plan gives the same bits."""
+        the weight per pass, ``prefetch`` 0 (none), 1 (into L1, 4 KB ahead) or 2 (into L2),
+        ``threads`` (capped at torch's), ``halves`` 0, 1 (8-float FMAs) or 2 (the same, walking K
+        in L1-sized chunks of x), 1 and 2 with one row of w only. Every plan gives the same bits."""
         x = x.contiguous()
         rows, n = x.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         rc = self._gemm_plan(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, weight.shape[1],
-                             rows_of_w, int(prefetch), threads)
+                             rows_of_w, int(prefetch), threads, int(halves))
         if rc == -1:
             raise ValueError(f"small_gemm takes 1..{self.max_rows} rows, not {rows}")
         if rc:
-            raise ValueError(f"small_gemm's plan takes 1, 2 or 4 rows of w and >= 1 threads, not {rows_of_w} "
-                             f"and {threads}")
+            raise ValueError(f"small_gemm's plan takes 1, 2 or 4 rows of w, prefetch 0, 1 or 2, >= 1 threads and "
+                             f"halves 0, 1 or 2 (1 and 2 with 1 row of w only), not {rows_of_w}, {int(prefetch)}, "
+                             f"{threads} and {int(halves)}")
         return y
 
+    def use_gemv_plans(self, which: str) -> None:
+        """Process-wide: which plans ``small_gemm`` (the fused layers' included) runs, one of
+        ``GEMV_PLANS``: "tuned" (specray's), "first" (issue 18's first version: four rows of w at
+        a time at any row count, every thread) or "before verify work" (the tuned batch-1 GEMV,
+        the first plan at 2+ rows). Benchmarks compare them in one process; the bits are the same."""
+        if which not in GEMV_PLANS:
+            raise ValueError(f"gemv plans must be one of {GEMV_PLANS}, not {which!r}")
+        self._use_plans(GEMV_PLANS.index(which))
+
     def use_old_gemv_plan(self, on: bool) -> None:
-        """Process-wide: ``small_gemm`` (the fused layers' included) streams the weight as issue 18's
-        first version did (benchmarks compare the two in one process; the bits are the same)."""
-        self._old_plan(int(on))
+        """``use_gemv_plans("first")`` when on, else "tuned"."""
+        self.use_gemv_plans("first" if on else "tuned")
 
     def panel_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for any number of rows, packing the weight panel by panel."""
@@ -167,6 +181,14 @@ class CpuKernels(FusedLayerKernels):
         dim = x.shape[-1]
         self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
         return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a contiguous float32 [rows, 2 * inter] fused projection (the fused
+        MLP's activation)."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        act = torch.empty(rows, inter, dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), act.data_ptr(), rows, inter)
+        return act
 
     def rope_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                       pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

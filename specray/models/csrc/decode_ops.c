@@ -11,6 +11,7 @@
  * thread count (ranks computing the same thing agree bit for bit).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -73,6 +74,34 @@ static inline vec exp_nonpositive(vec x) {
     vec scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* SiLU(gate) * up over rows of a fused [gate | up] projection (inter floats each half):
+ * act[r, i] = g / (1 + e^-g) * u, 16 at a time with exp_nonpositive's polynomial (e^-g
+ * clamped to [e^-87, e^88]; the few floats past a multiple of 16 in a padded vector), so
+ * every element goes through the same arithmetic whatever its row, the row count and the
+ * thread count. Within a few float32 ulps of torch's silu (tests/test_fused_decode.py). */
+static inline vec silu_mul(vec g, vec u) {
+    vec e = -g;
+    const vec hi = e - e + 88.0f;
+    e = exp_nonpositive(blend(e > hi, hi, e)); /* valid up to 88 (2^127) as well */
+    return g / (1.0f + e) * u;
+}
+
+void specray_silu_mul(const float *gate_up, float *act, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        int64_t i = 0;
+        for (; i + LANES <= inter; i += LANES) store(a + i, silu_mul(load(g + i), load(u + i)));
+        if (i < inter) { /* the tail, padded with zeros */
+            vec gv = {0}, uv = {0};
+            memcpy(&gv, g + i, (inter - i) * sizeof(float));
+            memcpy(&uv, u + i, (inter - i) * sizeof(float));
+            const vec out = silu_mul(gv, uv);
+            memcpy(a + i, &out, (inter - i) * sizeof(float));
+        }
+    }
 }
 
 /* Halve every group of lanes of a and of b (group = 16 >> level lanes, adding its two
@@ -161,9 +190,22 @@ static inline void attend_tile(const float *qv, const float *const *keys, const 
  * context_lens[i] keys; query j of it sits at position context_lens[i] - query_lens[i] + j
  * and, when causal, sees keys up to that position (else all context_lens[i] keys).
  *
- * One work item is one (sequence, kv head): its queries (every row times the heads of the
- * GQA group) walk the keys in tiles of KEY_TILE tokens, QUERY_BLOCK queries per walk, so
- * each key and value is loaded from memory once per block of queries and then read from L1. */
+ * One work item is one block of the queries of a (sequence, kv head) (every row times the
+ * heads of the GQA group), which walks the keys in tiles of KEY_TILE tokens, so each key and
+ * value is loaded from memory once per block of queries and then read from L1. Blocks hold
+ * QUERY_BLOCK queries, fewer where there would be fewer than two items a thread (a single
+ * sequence's verify rows over SmolLM2's 3 kv heads: 3 items on 2 threads, one thread doing
+ * two of them). A query's sums do not depend on the others in its block (lanes past what it
+ * sees weigh 0), so neither do its bits. */
+static int64_t queries_per_block(const int64_t *query_lens, int64_t num_seqs, int64_t kv_heads, int64_t group) {
+    int64_t most = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) most = query_lens[s] * group > most ? query_lens[s] * group : most;
+    const int64_t items = num_seqs * kv_heads, wanted = 2 * (int64_t)omp_get_max_threads();
+    if (items >= wanted || most <= 1) return QUERY_BLOCK;
+    const int64_t splits = (wanted + items - 1) / items, size = (most + splits - 1) / splits;
+    return size < QUERY_BLOCK ? size : QUERY_BLOCK;
+}
+
 void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
                              const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
@@ -171,13 +213,21 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
     const int64_t group = heads / kv_heads;
     const int64_t page = 2 * kv_heads * block_size * dim; /* floats per block */
     const int64_t v_offset = kv_heads * block_size * dim;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    const int64_t block = queries_per_block(query_lens, num_seqs, kv_heads, group);
+    int64_t num_blocks = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t b = (query_lens[s] * group + block - 1) / block;
+        num_blocks = b > num_blocks ? b : num_blocks;
+    }
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
         for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-            const int64_t ctx = context_lens[s], n = query_lens[s], num_queries = n * group;
-            const int64_t *table = block_tables + s * width;
-            for (int64_t first = 0; first < num_queries; first += QUERY_BLOCK) {
-                const int64_t count = min64(QUERY_BLOCK, num_queries - first);
+            for (int64_t b = 0; b < num_blocks; ++b) {
+                const int64_t ctx = context_lens[s], n = query_lens[s], num_queries = n * group;
+                const int64_t *table = block_tables + s * width;
+                const int64_t first = b * block;
+                if (first >= num_queries) continue;
+                const int64_t count = min64(block, num_queries - first);
                 const float *qs[QUERY_BLOCK];
                 float *outs[QUERY_BLOCK], max[QUERY_BLOCK], sum[QUERY_BLOCK];
                 float acc[QUERY_BLOCK][MAX_HEAD_DIM]; /* the caller checks dim <= MAX_HEAD_DIM */

@@ -11,7 +11,6 @@
  * all-reduce (a tensor-parallel group of one). The steps are the kernels of small_gemm.c and
  * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -20,6 +19,7 @@ int specray_small_gemm(const float *x, const float *w, const float *bias, float 
 void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
                            int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
                            const int64_t *slots, int64_t block_size);
+void specray_silu_mul(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
                              const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
@@ -33,6 +33,32 @@ enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SEQS, WID
 enum { COS, SIN, SLOTS, BLOCK_TABLES, CONTEXT_LENS, QUERY_LENS, Q_STARTS, NUM_STEP_PTRS };
 
 #define F(p) ((float *)(intptr_t)(p))
+
+/* -DSPECRAY_PROFILE: seconds spent in each step of the blocks, summed over calls (for
+ * benchmarks/profile_cpu_step.py; the shipped build has no timers). */
+enum { P_ADD, P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, NUM_PROFILE };
+#ifdef SPECRAY_PROFILE
+#include <time.h>
+static double profile_s[NUM_PROFILE];
+static double profile_t0;
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+#define TICK() (profile_t0 = now_s())
+#define TOCK(what) (profile_s[what] += now_s() - profile_t0, profile_t0 = now_s())
+int specray_profile_read(double *out, int reset) {
+    for (int i = 0; i < NUM_PROFILE; ++i) {
+        out[i] = profile_s[i];
+        if (reset) profile_s[i] = 0;
+    }
+    return NUM_PROFILE;
+}
+#else
+#define TICK() ((void)0)
+#define TOCK(what) ((void)0)
+#endif
 
 static void add_delta(float *x, const float *delta, const float *bias, int64_t rows, int64_t hidden) {
     if (!delta) return;
@@ -49,18 +75,25 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
     float *h = malloc(sizeof(float) * M * (H + qkv_size + 2 * heads * dim + kv * dim));
     if (!h) return -1;
     float *qkv = h + M * H, *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
+    TICK();
     add_delta(x, delta, delta_bias, M, H);
+    TOCK(P_ADD);
     specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
+    TOCK(P_NORM);
     int rc = specray_small_gemm(h, F(layer[QKV_W]), F(layer[QKV_B]), qkv, M, qkv_size, H);
+    TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
         specray_rope_store_kv(qkv, F(step[COS]), F(step[SIN]), M, heads, kv, dim, q, k, pool,
                               (const int64_t *)step[SLOTS], shape[BLOCK_SIZE]);
+        TOCK(P_ROPE);
         specray_paged_attention(q, pool, (const int64_t *)step[BLOCK_TABLES], shape[WIDTH],
                                 (const int64_t *)step[CONTEXT_LENS], (const int64_t *)step[QUERY_LENS],
                                 (const int64_t *)step[Q_STARTS], shape[NUM_SEQS], heads, kv, shape[BLOCK_SIZE],
                                 dim, scale, (int)shape[CAUSAL], o);
+        TOCK(P_ATTN);
         rc = specray_small_gemm(o, F(layer[O_W]), NULL, out, M, H, heads * dim);
+        TOCK(P_O);
     }
     free(h);
     return rc ? -2 : 0;
@@ -72,16 +105,18 @@ int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, flo
     float *h = malloc(sizeof(float) * M * (H + 3 * I));
     if (!h) return -1;
     float *gate_up = h + M * H, *act = gate_up + 2 * M * I;
+    TICK();
     add_delta(x, delta, delta_bias, M, H);
+    TOCK(P_ADD);
     specray_rms_norm(x, F(layer[POST_NORM]), h, M, H, eps);
+    TOCK(P_NORM);
     int rc = specray_small_gemm(h, F(layer[GATE_UP_W]), NULL, gate_up, M, 2 * I, H);
+    TOCK(P_GATE_UP);
     if (!rc) {
-        for (int64_t r = 0; r < M; ++r)
-            for (int64_t i = 0; i < I; ++i) {
-                const float g = gate_up[r * 2 * I + i];
-                act[r * I + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * I + I + i];
-            }
+        specray_silu_mul(gate_up, act, M, I);
+        TOCK(P_SILU);
         rc = specray_small_gemm(act, F(layer[DOWN_W]), NULL, out, M, H, I);
+        TOCK(P_DOWN);
     }
     free(h);
     return rc ? -2 : 0;
