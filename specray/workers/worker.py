@@ -156,5 +156,7 @@ class RankWorker:
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
-        logits = self.model.logits(hidden[last_rows(query_lens, hidden.device)])
+        if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
+            hidden = hidden[last_rows(query_lens, hidden.device)]
+        logits = self.model.logits(hidden)
         return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
