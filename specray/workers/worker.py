@@ -31,6 +31,7 @@ from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
+from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
 
@@ -55,6 +56,7 @@ class RankWorker:
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
         step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
         self._step_file = Path(step_dir) / f"rank{ctx.rank}.steps" if step_dir else None
+        self.barrier_waits = BarrierWaits.for_device(ctx.device)  # spin or sleep at OpenMP barriers
 
     @property
     def arch(self) -> ModelArch:
@@ -124,7 +126,11 @@ class RankWorker:
 
         Every rank runs this on the same plan and must sample the same tokens: checked per
         step in ``check_every_step`` mode, and by a digest at the end of each call."""
+        if self.barrier_waits is not None:
+            self.barrier_waits.begin()
         tokens = self._forward_and_sample(plan)
+        if self.barrier_waits is not None:
+            self.barrier_waits.end()
         if tokens:
             self.num_steps += 1
             self.token_digest = fold(self.token_digest, tokens)
@@ -150,5 +156,7 @@ class RankWorker:
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
-        logits = self.model.logits(hidden[last_rows(query_lens, hidden.device)])
+        if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
+            hidden = hidden[last_rows(query_lens, hidden.device)]
+        logits = self.model.logits(hidden)
         return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
