@@ -9,6 +9,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 | SPECRAY_DRAFT_KERNEL_PAGE_SIZES   | narrow this rank's drafter-kernel page sizes (comma list)      |
 | SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_CPU_FUSED_LAYERS          | 0 runs decode steps module by module (models/fused_decode.py)  |
+| SPECRAY_CPU_BARRIER_WAITS         | spin, sleep or auto (default): how OpenMP threads wait at a    |
+|                                   | barrier on a CPU rank (workers/barrier_waits.py)               |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
 | SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
