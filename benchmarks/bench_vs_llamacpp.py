@@ -26,6 +26,12 @@ column unless ``--no-transformers``. The rounds alternate the engines, so a burs
 other processes falls on both; the fastest round of each counts. Token agreement between the two
 engines is reported (identical outputs and the agreeing prefix), not asserted: float32 sums in a
 different order may flip a near-tie.
+
+llama.cpp (whose CPU backend uses OpenMP) and transformers run on short-lived threads
+(``on_own_thread``): libgomp keeps a pool of threads for every thread that starts a parallel
+region, and while the process holds more of them than CPUs every OpenMP barrier sleeps instead of
+spinning, which would slow specray's kernels for the rest of the run (docs/cpu-kernels.md,
+"Engine overhead per step"). A thread's pool ends with the thread.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +65,25 @@ SPEC_NGRAM = SpecConfig(method="ngram", num_draft_tokens=NGRAM_K, prompt_lookup_
 TARGETS = dict(tpot_ratio_max=1.25, hf_tpot_speedup_min=2.5, ngram_tok_s_ratio_min=1.5)  # issue 18
 COLUMNS = [("metric", "metric", "s"), ("specray", "specray", ".2f"), ("llamacpp", "llama.cpp", ".2f"),
            ("ratio", "specray/llama.cpp", ".2f"), ("transformers", "transformers", ".2f")]
+
+
+def on_own_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a new thread that ends with it, so the OpenMP pool it starts
+    ends too (see the module docstring); its exception is raised here."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=f"bench-{getattr(fn, '__name__', 'call')}")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def decode_tpot_ms(stamps: list[float]) -> float:
@@ -244,7 +270,7 @@ def run_rounds(args, path: Path, hf_path: Path, prompts: list[list[int]], llamas
     if args.transformers:
         from benchmarks.bench_vs_transformers import load_transformers, measure_transformers
 
-        hf_model = load_transformers(hf_path)
+        hf_model = on_own_thread(load_transformers, hf_path)
     for r in range(args.rounds):
         for mode, llama in llamas.items():
             cfg = EngineConfig(model=str(path), kv=KVConfig(tokens_per_block=64, capacity_tokens=capacity),
@@ -252,14 +278,14 @@ def run_rounds(args, path: Path, hf_path: Path, prompts: list[list[int]], llamas
             with LLM(cfg) as llm:  # one engine open at a time; loading is outside the timed part
                 run_specray(llm, prompts[:1], 8)  # warm-up
                 record("specray", mode, run_specray(llm, prompts, args.output_len))
-            run_llamacpp(llama, prompts[:1], 8)
-            record("llamacpp", mode, run_llamacpp(llama, prompts, args.output_len))
+            on_own_thread(run_llamacpp, llama, prompts[:1], 8)
+            record("llamacpp", mode, on_own_thread(run_llamacpp, llama, prompts, args.output_len))
             print(f"round {r + 1}/{args.rounds} {mode}: specray {history['specray'][mode][-1]:.1f} tok/s, "
                   f"llama.cpp {history['llamacpp'][mode][-1]:.1f} tok/s", flush=True)
         if hf_model is not None:  # batch 1 on the first prompt: TPOT only, from two generate calls
             bench = BenchConfig(input_len=len(prompts[0]), output_len=args.output_len, warmup=int(r == 0),
                                 batch_sizes=(1,))
-            record("transformers", "plain", measure_transformers(hf_model, prompts[:1], bench))
+            record("transformers", "plain", on_own_thread(measure_transformers, hf_model, prompts[:1], bench))
             print(f"round {r + 1}/{args.rounds} transformers: TPOT {best['transformers']['plain']['tpot_ms']:.2f} ms "
                   f"(best so far)", flush=True)
     return best, history
@@ -343,11 +369,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} on {os.cpu_count()} CPUs", flush=True)
-    path, hf_path = anchor_weights(llama_cpp, args.model, threads)
+    path, hf_path = on_own_thread(anchor_weights, llama_cpp, args.model, threads)
     prompts = build_prompts(args.model, path, args.num_prompts)
     n_ctx = -(-(max(map(len, prompts)) + args.output_len + NGRAM_K + 8) // 256) * 256
     modes = ["plain", "ngram"] if args.model == "smollm2-135m" else ["plain"]
-    llamas = open_llamas(llama_cpp, path, modes, n_ctx, threads)
+    llamas = on_own_thread(open_llamas, llama_cpp, path, modes, n_ctx, threads)
     best, history = run_rounds(args, path, hf_path, prompts, llamas)
     load_after = os.getloadavg()
     rows, agree = table_rows(best), agreements(best)

@@ -74,3 +74,22 @@ def test_preset_written_to_gguf_decodes_the_same_tokens(tmp_path):
             outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
     assert len(outputs[0][0]) == 12
+
+
+def test_on_own_thread_returns_the_value_raises_the_error_and_leaves_no_thread():
+    import threading
+
+    callers = []
+
+    def work(x, *, y):
+        callers.append(threading.current_thread())
+        return x + y
+
+    assert bench.on_own_thread(work, 2, y=3) == 5
+    assert callers[0] is not threading.current_thread() and not callers[0].is_alive()
+
+    def fail():
+        raise ValueError("bad value 7")
+
+    with pytest.raises(ValueError, match="bad value 7"):
+        bench.on_own_thread(fail)
