@@ -28,7 +28,7 @@ engines is reported (identical outputs and the agreeing prefix), not asserted: f
 different order may flip a near-tie.
 
 llama.cpp (whose CPU backend uses OpenMP) and transformers run on short-lived threads
-(``on_own_thread``): libgomp keeps a pool of threads for every thread that starts a parallel
+(``benchmarks/own_thread.py``): libgomp keeps a pool of threads for every thread that starts a parallel
 region, and while the process holds more of them than CPUs every OpenMP barrier sleeps instead of
 spinning, which would slow specray's kernels for the rest of the run (docs/cpu-kernels.md,
 "Engine overhead per step"). A thread's pool ends with the thread.
@@ -41,13 +41,13 @@ import json
 import os
 import platform
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.bench import BenchConfig, format_table, random_prompts
@@ -65,25 +65,6 @@ SPEC_NGRAM = SpecConfig(method="ngram", num_draft_tokens=NGRAM_K, prompt_lookup_
 TARGETS = dict(tpot_ratio_max=1.25, hf_tpot_speedup_min=2.5, ngram_tok_s_ratio_min=1.5)  # issue 18
 COLUMNS = [("metric", "metric", "s"), ("specray", "specray", ".2f"), ("llamacpp", "llama.cpp", ".2f"),
            ("ratio", "specray/llama.cpp", ".2f"), ("transformers", "transformers", ".2f")]
-
-
-def on_own_thread(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on a new thread that ends with it, so the OpenMP pool it starts
-    ends too (see the module docstring); its exception is raised here."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised on the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name=f"bench-{getattr(fn, '__name__', 'call')}")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def decode_tpot_ms(stamps: list[float]) -> float:

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_spec import StepTimer, format_table
+from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.executor import spec_metrics
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-drafters-") as root:
-        configs = specs(args, write_drafters(Path(root)))
+        configs = specs(args, on_own_thread(write_drafters, Path(root)))  # torch work off the main thread
         best = run_rounds(configs, chats, args)
     rows = [finish_row(spec, best[i][b], best[0][b]) for b in BATCHES for i, spec in enumerate(configs)]
     print(f"\n{MODEL}, HumanEval problems 0..{args.num_prompts - 1} (chat), up to {args.output_len} new tokens, "

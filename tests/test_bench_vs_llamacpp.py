@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import bench_vs_llamacpp as bench
+from benchmarks.own_thread import on_own_thread
 from specray import LLM, EngineConfig, KVConfig, SamplingParams
 from specray.models.presets import materialize
 
@@ -85,11 +86,11 @@ def test_on_own_thread_returns_the_value_raises_the_error_and_leaves_no_thread()
         callers.append(threading.current_thread())
         return x + y
 
-    assert bench.on_own_thread(work, 2, y=3) == 5
+    assert on_own_thread(work, 2, y=3) == 5
     assert callers[0] is not threading.current_thread() and not callers[0].is_alive()
 
     def fail():
         raise ValueError("bad value 7")
 
     with pytest.raises(ValueError, match="bad value 7"):
-        bench.on_own_thread(fail)
+        on_own_thread(fail)
