@@ -162,10 +162,6 @@ class CpuKernels(FusedLayerKernels):
             raise ValueError(f"gemv plans must be one of {GEMV_PLANS}, not {which!r}")
         self._use_plans(GEMV_PLANS.index(which))
 
-    def use_old_gemv_plan(self, on: bool) -> None:
-        """``use_gemv_plans("first")`` when on, else "tuned"."""
-        self.use_gemv_plans("first" if on else "tuned")
-
     def panel_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for any number of rows, packing the weight panel by panel."""
         x = x.contiguous()
