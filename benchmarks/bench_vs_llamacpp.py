@@ -20,9 +20,9 @@ either side, so the token counts are equal) at batch 1, greedy. Each prompt is a
 Rows: ``TPOT`` = decode time per token after the first (median over prompts); ``tok/s`` = tokens /
 wall time over all prompts, prefill included; ``ngram`` = prompt-lookup drafting, k = 5, on both
 sides: llama.cpp's ``LlamaPromptLookupDecoding(num_pred_tokens=5)`` (its default 2-gram to 1-gram
-lookup) against specray's ``SpecConfig(method="ngram", num_draft_tokens=5, prompt_lookup_min=2,
-prompt_lookup_max=4)``. transformers' batch-1 TPOT (from bench_vs_transformers) is a third
-column unless ``--no-transformers``. The rounds alternate the engines, so a burst of load from
+lookup) against specray's ``SpecConfig(method="ngram", num_draft_tokens=5, prompt_lookup_min=1,
+prompt_lookup_max=4)`` (4- down to 1-grams, as bench_spec's default; ``--lookup MIN,MAX`` changes
+it). transformers' batch-1 TPOT (from bench_vs_transformers) is a third column unless ``--no-transformers``. The rounds alternate the engines, so a burst of load from
 other processes falls on both; the fastest round of each counts. Token agreement between the two
 engines is reported (identical outputs and the agreeing prefix), not asserted: float32 sums in a
 different order may flip a near-tie.
@@ -61,10 +61,15 @@ from specray.models.tokenizer import load_tokenizer
 INSTALL_HINT = ("llama-cpp-python is not installed, so there is no llama.cpp anchor to measure: run `make anchors` "
                 "(builds llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, about 11 minutes on 2 cores)")
 NGRAM_K = 5
-SPEC_NGRAM = SpecConfig(method="ngram", num_draft_tokens=NGRAM_K, prompt_lookup_min=2, prompt_lookup_max=4)
+LOOKUP = (1, 4)  # specray's prompt_lookup_min, max: like llama.cpp's lookup it falls back to 1-grams
 TARGETS = dict(tpot_ratio_max=1.25, hf_tpot_speedup_min=2.5, ngram_tok_s_ratio_min=1.5)  # issue 18
 COLUMNS = [("metric", "metric", "s"), ("specray", "specray", ".2f"), ("llamacpp", "llama.cpp", ".2f"),
            ("ratio", "specray/llama.cpp", ".2f"), ("transformers", "transformers", ".2f")]
+
+
+def ngram_spec(lookup: tuple[int, int]) -> SpecConfig:
+    return SpecConfig(method="ngram", num_draft_tokens=NGRAM_K, prompt_lookup_min=lookup[0],
+                      prompt_lookup_max=lookup[1])
 
 
 def decode_tpot_ms(stamps: list[float]) -> float:
@@ -255,7 +260,7 @@ def run_rounds(args, path: Path, hf_path: Path, prompts: list[list[int]], llamas
     for r in range(args.rounds):
         for mode, llama in llamas.items():
             cfg = EngineConfig(model=str(path), kv=KVConfig(tokens_per_block=64, capacity_tokens=capacity),
-                               spec=SPEC_NGRAM if mode == "ngram" else SpecConfig())
+                               spec=ngram_spec(args.lookup) if mode == "ngram" else SpecConfig())
             with LLM(cfg) as llm:  # one engine open at a time; loading is outside the timed part
                 run_specray(llm, prompts[:1], 8)  # warm-up
                 record("specray", mode, run_specray(llm, prompts, args.output_len))
@@ -326,9 +331,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the fastest of each engine counts")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false",
                     help="leave out transformers' BS1 TPOT column")
+    ap.add_argument("--lookup", default=f"{LOOKUP[0]},{LOOKUP[1]}",
+                    help="specray's ngram prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 32 tokens, 1 round")
     ap.add_argument("--json", type=Path, default=None, help="default: bench-results/bench_vs_llamacpp_MODEL.json")
     args = ap.parse_args(argv)
+    args.lookup = tuple(int(x) for x in args.lookup.split(","))
     if args.quick:
         args.num_prompts, args.output_len, args.rounds = 2, 32, 1
     for name in ("num_prompts", "rounds"):
@@ -360,8 +368,8 @@ def main(argv=None) -> int:
     rows, agree = table_rows(best), agreements(best)
     print(f"\n{args.model} F32 ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_len} new tokens each, batch 1, "
-          f"greedy, {threads} thread(s), fastest of {args.rounds} alternating round(s); llama-cpp-python "
-          f"{llama_cpp.__version__}\n")
+          f"greedy, {threads} thread(s), fastest of {args.rounds} alternating round(s); specray ngram "
+          f"lookup {args.lookup[0]}-{args.lookup[1]}-grams; llama-cpp-python {llama_cpp.__version__}\n")
     print(format_table(rows, COLUMNS))
     for name, a in agree.items():
         print(f"same tokens, {name}: {a['identical']:.0%} of outputs identical, {a['prefix']:.0%} agreeing prefix")
@@ -373,7 +381,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         model=args.model, weights=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
-        output_len=args.output_len, rounds=args.rounds, threads=threads, quick=args.quick, rows=rows,
+        output_len=args.output_len, rounds=args.rounds, threads=threads, prompt_lookup_min_max=list(args.lookup),
+        quick=args.quick, rows=rows,
         agreement=agree, verdicts=lines, targets=TARGETS, round_tok_s=history,
         machine=dict(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_after,
                      platform=platform.platform(), torch=torch.__version__,
