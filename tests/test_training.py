@@ -187,3 +187,31 @@ def test_written_drafter_loads_in_the_reference_implementation_with_equal_drafts
                          position_ids=torch.arange(0, len(tokens) - 1 + n)[None])[:, 1 - n:]
             ref_drafts = ref.compute_logits(hidden, hf.lm_head)[0].argmax(-1)[:3].tolist()
     assert drafts == ref_drafts
+
+
+def test_chat_self_distillation_trains_on_prompts_and_the_targets_own_answers(target, tmp_path):
+    from specray.training.data import function_stubs
+    from specray.training.loop import load_data
+
+    module = tmp_path / "mod.py"
+    module.write_text('def area(r):\n    """Area of a circle."""\n    return 3.14 * r * r\n\n'
+                      'def _hidden():\n    """Private."""\n\nclass A:\n    def size(self):\n'
+                      '        """How big."""\n        return 1\n\ndef bare():\n    pass\n')
+    assert function_stubs(module) == ['def area(r):\n    """Area of a circle."""\n',
+                                      'def size(self):\n    """How big."""\n']
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(row) for row in (
+        [{"prompt": f"def f{i}(x):"} for i in range(8)]
+        + [{"messages": [{"role": "user", "content": "def g(y):"}, {"role": "assistant", "content": "dropped"}]}])))
+    cfg = TrainConfig(target=str(target), method="eagle3", out=str(tmp_path / "out"), data=(str(prompts),),
+                      seq_len=32, max_tokens=400, answer_tokens=20, is_progress_shown=False)
+    train_set, val_set = load_data(cfg, target, is_byte_level=True)
+    stream = [t for chunk in train_set + val_set for t in chunk]
+    assert all(len(chunk) == 32 for chunk in train_set + val_set) and 32 * 2 <= len(stream) <= 400
+    first = list(b"def f0(x):\n")  # no chat template: the prompt as text, then the target's greedy answer
+    with LLM(EngineConfig(model=str(target), dtype="float32")) as llm:
+        answer = llm.generate([first], SamplingParams(max_tokens=20, temperature=0.0))[0].token_ids
+    assert stream[:len(first) + len(answer)] == first + answer
+    assert b"dropped" not in bytes(t for t in stream if t < 256)
+    with pytest.raises(ValueError, match="exclude each other"):
+        dataclasses.replace(cfg, self_distill_tokens=8)

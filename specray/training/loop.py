@@ -18,7 +18,8 @@ import torch
 from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model
 from specray.models.tokenizer import load_tokenizer
-from specray.training.data import split, token_chunks
+from specray.training.data import file_chats, split, stdlib_chats, token_chunks
+from specray.training.distill import answer_chats, continue_chunks
 from specray.training.recipe import TrainConfig, default_aux_layers, lr_at, threads_to_use
 from specray.training.target import TargetFeatures, check_feature_layers
 
@@ -43,18 +44,6 @@ def prepare_out(out: Path, overwrite: bool, resume: bool) -> None:
         for name in OUTPUT_FILES:
             (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-
-
-def self_distill(chunks: list[list[int]], cfg: TrainConfig) -> list[list[int]]:
-    """Each chunk's head followed by the target's own greedy continuation (the engine generates it)."""
-    from specray.config import EngineConfig, SamplingParams
-    from specray.llm import LLM
-
-    n = min(cfg.self_distill_tokens, cfg.seq_len // 2)
-    heads = [c[:cfg.seq_len - n] for c in chunks]
-    with LLM(EngineConfig(model=cfg.target, dtype="float32")) as llm:
-        outs = llm.generate(heads, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return [h + o.token_ids for h, o in zip(heads, outs)]
 
 
 def build_trainee(cfg: TrainConfig, target: TargetFeatures, train_set, kept_ids=None):
@@ -118,9 +107,17 @@ def _resumed_state(out: Path, cfg: TrainConfig) -> dict:
 
 def load_data(cfg: TrainConfig, model_path: Path, is_byte_level: bool):
     tokenizer = load_tokenizer(model_path, is_byte_level=is_byte_level)
-    chunks = token_chunks([Path(p) for p in cfg.data], tokenizer, cfg.seq_len, cfg.max_tokens, cfg.seed)
+    paths = [Path(p) for p in cfg.data]
+    if cfg.answer_tokens:
+        chats = [chat for path in paths for chat in file_chats(path)] if paths else stdlib_chats(cfg.seed)
+        chunks = answer_chats(chats, tokenizer, cfg)
+        if not chunks:
+            raise ValueError(f"the answered prompts ({len(chats)}) hold fewer tokens than one sequence of seq_len "
+                             f"{cfg.seq_len}: nothing to train on")
+    else:
+        chunks = token_chunks(paths, tokenizer, cfg.seq_len, cfg.max_tokens, cfg.seed)
     if cfg.self_distill_tokens:
-        chunks = self_distill(chunks, cfg)
+        chunks = continue_chunks(chunks, cfg)
     return split(chunks, cfg.val_fraction)
 
 

@@ -18,6 +18,7 @@ class TrainConfig:
     max_tokens: int = 60_000  # tokens of text read (before the validation split)
     val_fraction: float = 0.05
     self_distill_tokens: int = 0  # >0: append the target's greedy continuation of this many tokens to each prefix
+    answer_tokens: int = 0  # >0: train on the target's greedy chat answers (at most this long) to prompts
     steps: int = 600
     lr: float = 1e-3
     warmup_steps: int = 20
@@ -46,8 +47,12 @@ class TrainConfig:
             raise ValueError(f"lr ({self.lr}) and gamma ({self.gamma}) must be > 0")
         if self.num_threads < 0:
             raise ValueError(f"num_threads ({self.num_threads}) must be >= 0 (0: automatic)")
-        if self.self_distill_tokens < 0 or self.warmup_steps < 0:
-            raise ValueError("self_distill_tokens and warmup_steps must be >= 0")
+        if min(self.self_distill_tokens, self.answer_tokens, self.warmup_steps) < 0:
+            raise ValueError(f"self_distill_tokens ({self.self_distill_tokens}), answer_tokens ({self.answer_tokens}) "
+                             f"and warmup_steps ({self.warmup_steps}) must be >= 0")
+        if self.self_distill_tokens and self.answer_tokens:
+            raise ValueError(f"self_distill_tokens ({self.self_distill_tokens}) and answer_tokens "
+                             f"({self.answer_tokens}) exclude each other: answers are already the target's own text")
 
     def as_dict(self) -> dict:
         return asdict(self)
