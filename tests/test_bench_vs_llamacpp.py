@@ -35,12 +35,16 @@ def test_agreement_counts_identical_outputs_and_the_agreeing_prefix():
 
 def test_tok_s_ratios_and_verdicts():
     run = dict(tpot_ms=20.0, ttft_ms=100.0, tok_s=40.0, tokens_per_step=2.0)
-    best = {"specray": {"plain": dict(run, tpot_ms=24.0), "ngram": dict(run, tok_s=90.0)},
-            "llamacpp": {"plain": run, "ngram": dict(run, tok_s=50.0)},
+    best = {"specray": {"plain": dict(run, tpot_ms=24.0), "ngram k=3": dict(run, tok_s=90.0),
+                        "ngram k=5": dict(run, tok_s=80.0)},
+            "llamacpp": {"plain": run, "ngram k=3": dict(run, tok_s=45.0), "ngram k=5": dict(run, tok_s=50.0)},
             "transformers": {"plain": dict(tpot_ms=72.0)}}
     rows = {r["metric"]: r for r in bench.table_rows(best)}
     assert rows["BS1 TPOT ms, plain"]["ratio"] == pytest.approx(1.2)  # 24 / 20 ms
-    assert rows["ngram speedup over plain"]["specray"] == pytest.approx(2.25)  # 90 / 40 tok/s
+    assert rows["speedup over plain, ngram k=3"]["specray"] == pytest.approx(2.25)  # 90 / 40 tok/s
+    assert rows["tok/s, ngram k=5"]["ratio"] == pytest.approx(1.6)  # 80 / 50
+    best_k = rows["tok/s, ngram, each engine's best k"]  # specray's k=3 against llama.cpp's k=5
+    assert (best_k["specray"], best_k["llamacpp"]) == (90.0, 50.0)
     assert bench.verdicts(list(rows.values())) == [
         "BS1 TPOT specray/llama.cpp 1.20 (target <= 1.25): met",
         "BS1 TPOT transformers/specray 3.00 (target >= 2.5): met",
@@ -58,6 +62,7 @@ def test_without_llama_cpp_it_says_how_to_install_it_and_skips(monkeypatch, caps
 def test_quick_and_bad_arguments():
     args = bench.parse_args(["--quick", "--threads", "1"])
     assert (args.num_prompts, args.output_len, args.rounds, args.threads) == (2, 32, 1, 1)
+    assert (args.ngram_k, args.lookup) == ((3, 5), (1, 4))
     with pytest.raises(SystemExit):
         bench.parse_args(["--output-len", "1"])
 
