@@ -11,7 +11,9 @@ Rows: plain; ngram (4- down to 1-gram lookup), each trained drafter given, at k 
 - ``AL`` = acceptance length (tokens per verify step) from the same-text harness
   (``specray.same_text.summarize``): the mean over prefixes with its 95% bootstrap interval;
 - ``equal`` = the share of prefixes whose output equals plain decoding's token for token (100%);
-- ``tok/s`` = tokens / wall time over all prefixes, prefill included; ``speedup`` = over plain's.
+- ``tok/s`` = tokens / wall time over all prefixes, prefill included; ``speedup`` = over plain's;
+- ``draft ms`` / ``verify ms`` = mean wall time per speculative step of the drafting and of the
+  target's verify forward (bench_spec.StepTimer on rank 0's runner, in this process at TP = 1).
 
 Greedy decoding makes AL the same in every round; the rounds alternate over the rows so that a
 burst of load from other processes falls on all of them, and each row's fastest round counts.
@@ -31,6 +33,7 @@ import platform
 import time
 from pathlib import Path
 
+from benchmarks.bench_spec import StepTimer
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.bench import format_table
 from specray.same_text import compare, environment, format_comparison, load_prefixes, summarize, to_json
@@ -39,7 +42,8 @@ MODEL = "smollm2-135m"
 LOOKUP = dict(prompt_lookup_min=1, prompt_lookup_max=4)
 TARGET_AL, TARGET_SPEEDUP = 2.5, 1.8  # issue 17
 COLUMNS = [("method", "method", "s"), ("k", "k", "s"), ("al", "AL [95%]", "s"), ("equal", "equal", ".0%"),
-           ("tok_s", "tok/s", ".1f"), ("speedup", "speedup", ".2f")]
+           ("tok_s", "tok/s", ".1f"), ("speedup", "speedup", ".2f"), ("draft_ms", "draft ms", ".1f"),
+           ("verify_ms", "verify ms", ".1f")]
 
 
 def configs(args) -> list[tuple[str, int | None, SpecConfig, tuple]]:
@@ -54,18 +58,24 @@ def configs(args) -> list[tuple[str, int | None, SpecConfig, tuple]]:
     return rows
 
 
-def run_config(spec: SpecConfig, env: tuple, prefixes: list[list[int]], output_len: int) -> tuple[list, float]:
-    """(outputs, wall seconds over all prefixes): one request at a time, after a warm-up."""
+def run_config(spec: SpecConfig, env: tuple, prefixes: list[list[int]], output_len: int) -> tuple[list, float, dict]:
+    """(outputs, wall seconds over all prefixes, draft and verify ms per speculative step): one
+    request at a time, after a warm-up."""
     cfg = EngineConfig(model=MODEL, dtype="float32", kv=KVConfig(tokens_per_block=64), spec=spec)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     with environment(env), LLM(cfg) as llm:
         llm.generate([prefixes[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        pages = {f"{name}_page_size": g.tokens_per_block for name, g in llm.geometry.items()}
+        runner = getattr(getattr(llm._engine, "worker", None), "spec", None)  # rank 0's, here at TP = 1
+        timer = StepTimer(runner) if runner is not None else None
         outs, wall = [], 0.0
         for prefix in prefixes:
             start = time.perf_counter()
             outs += llm.generate([prefix], params)
             wall += time.perf_counter() - start
-    return outs, wall
+    steps = timer.num_steps if timer is not None else 0
+    times = dict(draft_ms=timer.draft_s / steps * 1e3, verify_ms=timer.verify_s / steps * 1e3) if steps else {}
+    return outs, wall, {**times, **pages}
 
 
 def run_rounds(rows: list, prefixes: list[list[int]], args) -> list[dict]:
@@ -73,11 +83,11 @@ def run_rounds(rows: list, prefixes: list[list[int]], args) -> list[dict]:
     best = [dict(wall_s=float("inf"), round_tok_s=[]) for _ in rows]
     for r in range(args.rounds):
         for (method, k, spec, env), result in zip(rows, best):
-            outs, wall = run_config(spec, env, prefixes, args.output_len)
+            outs, wall, times = run_config(spec, env, prefixes, args.output_len)
             tok_s = sum(len(o.token_ids) for o in outs) / wall
             result["round_tok_s"].append(tok_s)
             if wall < result["wall_s"]:
-                result.update(wall_s=wall, tok_s=tok_s, outputs=outs)
+                result.update(wall_s=wall, tok_s=tok_s, outputs=outs, **times)
             print(f"round {r + 1}/{args.rounds} {method} k={k or '-'}: {tok_s:.1f} tok/s", flush=True)
     return best
 
@@ -90,7 +100,7 @@ def table(rows: list, best: list[dict], seed: int) -> list[dict]:
         out.append(dict(method=method, k=str(k or "-"), al=s["acceptance_length"].describe(2),
                         al_mean=s["acceptance_length"].mean, equal=s["share_equal_to_plain"], tok_s=result["tok_s"],
                         speedup=result["tok_s"] / plain["tok_s"], round_tok_s=result["round_tok_s"], summary=s,
-                        outputs=result["outputs"]))
+                        outputs=result["outputs"], **{t: result[t] for t in ("draft_ms", "verify_ms") if t in result}))
     return out
 
 
@@ -115,7 +125,11 @@ def pages_experiment(args, report: list[dict], prefixes: list[list[int]]) -> dic
     spec = SpecConfig(method="dflash", draft_model=str(args.dflash), num_draft_tokens=k)
     sides = {}
     for pages in (32, 64):
-        outs, _ = run_config(spec, (("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", str(pages)),), prefixes, args.output_len)
+        outs, _, info = run_config(spec, (("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", str(pages)),), prefixes,
+                                   args.output_len)
+        if info.get("draft_page_size") != pages:
+            raise RuntimeError(f"draft kernels narrowed to {pages}-token pages, but the engine agreed "
+                               f"{info.get('draft_page_size')}: the experiment would compare nothing")
         sides[pages] = summarize(outs, report[0]["outputs"], seed=args.seed)
     c = compare(sides[32], sides[64], seed=args.seed)
     print(f"\ndflash k={k}, draft pages 32 (a) against 64 (b): AL {sides[32]['acceptance_length'].describe()} and "
