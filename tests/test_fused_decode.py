@@ -106,3 +106,44 @@ def _greedy(model: str, tp: int, block_size: int, fused: bool, monkeypatch) -> l
 def test_fused_greedy_tokens_equal_the_torch_path(model_name, tp, block_size, kernels, monkeypatch):
     assert _greedy(model_name, tp, block_size, True, monkeypatch) == _greedy(model_name, tp, block_size, False,
                                                                                monkeypatch)
+
+
+class _IdentityGroup:
+    """A 'group' of two whose all-reduce returns its input: on one rank holding the whole model,
+    the fused path's per-layer loop (the one sharded ranks take) then computes the full model."""
+    size = 2
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@pytest.mark.parametrize("is_per_layer", [False, True], ids=["one-call", "per-layer"])
+def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatch, is_per_layer):
+    # EAGLE-3 and DFlash verify with capture_layers: the fused path must hand them the same
+    # residual streams as the module path (same tolerance and reason as the logits above)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    if is_per_layer:
+        monkeypatch.setattr(model.layers[0].self_attn.o_proj, "group", _IdentityGroup())
+    arch, gen, block_size = model.arch, torch.Generator().manual_seed(11), 32
+    layers = (arch.num_layers - 1, 0, arch.num_layers // 2)  # out of order: returned in this order
+    tables, prompt_len = [[1, 2, 3]], 50
+    pools = [torch.zeros(5, 2, model.num_local_kv_heads, block_size, arch.head_dim) for _ in range(arch.num_layers)]
+    prompt = torch.randint(0, arch.vocab_size, (prompt_len,), generator=gen)
+    _step(model, pools, tables, block_size, [0], [prompt_len], prompt, fused=False)
+    ids = torch.randint(0, arch.vocab_size, (4,), generator=gen)
+    positions, meta = build_metadata(tables, block_size, [prompt_len], [4], torch.device("cpu"))
+    calls, real = [], fused_decode.fused_layers
+    monkeypatch.setattr(decoder, "fused_layers", lambda *a: calls.append(1) or real(*a))
+    outs = []
+    for fused in (False, True):
+        model.is_fused = fused
+        try:
+            with torch.inference_mode():
+                outs.append(model(ids, positions, [p.clone() for p in pools], meta, capture_layers=layers))
+        finally:
+            model.is_fused = True
+    (hidden, captured), (fused_hidden, fused_captured) = outs
+    assert len(calls) == 1 and len(fused_captured) == len(layers)
+    torch.testing.assert_close(fused_hidden, hidden, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fused_captured, captured):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

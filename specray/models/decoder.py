@@ -199,9 +199,10 @@ class CausalLM(nn.Module):
         drafter's layers come last); the model uses the first ``num_layers``."""
         cos, sin = self.rotary(positions, max(meta.context_lens_list))
         x = self.embed_tokens(ids)
-        kernels = fused_kernels(self, x, pools, meta) if self.is_fused and not capture_layers else None
+        kernels = fused_kernels(self, x, pools, meta) if self.is_fused else None
         if kernels is not None:  # decode and verify on CPU: Python once per step (fused_decode.py)
-            return self.norm(fused_layers(self, kernels, x, cos, sin, pools, meta))
+            x, captured_list = fused_layers(self, kernels, x, cos, sin, pools, meta, capture_layers)
+            return (self.norm(x), captured_list) if capture_layers else self.norm(x)
         captured = {}
         for i, (layer, pool) in enumerate(zip(self.layers, pools)):
             x = layer(x, cos, sin, pool, meta)

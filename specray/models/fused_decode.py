@@ -71,8 +71,10 @@ def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: Atten
 
 
 def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 pools: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-    """The residual stream after the last layer (x is updated in place and returned)."""
+                 pools: list[torch.Tensor], meta: AttentionMetadata,
+                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the residual stream after the last layer, updated in place in x; a copy of it after each
+    layer of ``capture_layers``, in that order: a drafter's features)."""
     arch, first = model.arch, model.layers[0]
     pools = pools[: arch.num_layers]
     block_size = pools[0].shape[3]
@@ -87,10 +89,14 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor,
     table = _layer_table(model, pools)
     eps, scale = arch.rms_norm_eps, attn.scale
     group = attn.o_proj.group
-    if group.size == 1:
+    captured: dict[int, torch.Tensor] = {}
+    if group.size == 1:  # one C call per run of layers between captures (one in all without any)
         scratch = torch.empty(2, *x.shape)
-        kernels.dense_layers(table, shape, step, eps, scale, x, scratch)
-        return x
+        start = 0
+        for stop in sorted(set(capture_layers) | {arch.num_layers - 1}):
+            kernels.dense_layers(table[start:stop + 1], shape, step, eps, scale, x, scratch)
+            captured[stop], start = x.clone(), stop + 1
+        return x, [captured[i] for i in capture_layers]
     delta = None
     for i in range(arch.num_layers):
         layer = table[i]
@@ -98,5 +104,7 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor,
         o = group.all_reduce(o)
         m = kernels.mlp_block(layer, shape, eps, x, o, model.layers[i].self_attn.o_proj.bias)
         delta = group.all_reduce(m)
+        if i in capture_layers:  # x holds the residual before this layer's MLP output is added
+            captured[i] = x + delta
     x += delta
-    return x
+    return x, [captured[i] for i in capture_layers]
