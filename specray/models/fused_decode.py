@@ -95,7 +95,9 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor,
         start = 0
         for stop in sorted(set(capture_layers) | {arch.num_layers - 1}):
             kernels.dense_layers(table[start:stop + 1], shape, step, eps, scale, x, scratch)
-            captured[stop], start = x.clone(), stop + 1
+            if stop in capture_layers:
+                captured[stop] = x.clone()
+            start = stop + 1
         return x, [captured[i] for i in capture_layers]
     delta = None
     for i in range(arch.num_layers):
