@@ -51,6 +51,11 @@ def check_not_evaluation_set(path: Path) -> None:
                          f"a drafter is never trained on it")
 
 
+def jsonl_rows(path: Path) -> list[tuple[int, dict]]:
+    """(0-based line number, object) for each non-blank line of a JSONL file."""
+    return [(i, json.loads(line)) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+
+
 def file_texts(path: Path, tokenizer) -> list[str]:
     """The texts of one data file (module docstring)."""
     check_not_evaluation_set(path)
@@ -59,10 +64,7 @@ def file_texts(path: Path, tokenizer) -> list[str]:
     if path.suffix != ".jsonl":
         return [path.read_text(errors="replace")]
     texts = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for i, row in jsonl_rows(path):
         if "text" in row:
             texts.append(row["text"])
         elif "messages" in row:
@@ -103,10 +105,7 @@ def file_chats(path: Path) -> list[list[dict]]:
     if not path.is_file() or path.suffix != ".jsonl":
         raise ValueError(f"prompt file {str(path)!r} must be an existing .jsonl file (rows with prompt or messages)")
     chats = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for i, row in jsonl_rows(path):
         if "messages" in row:
             messages = list(row["messages"])
             chats.append(messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages)
