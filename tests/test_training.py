@@ -121,7 +121,7 @@ def test_smoke_training_loss_falls_and_the_drafter_is_lossless_and_beats_a_rando
     from specray.training.loop import load_data
 
     train_set, _ = load_data(cfg, target, is_byte_level=True)  # the same text, seeded
-    prompts = [chunk[:24] for chunk in train_set[:6]]
+    prompts = [chunk.tokens[:24] for chunk in train_set[:6]]
     trained, is_lossless = acceptance(target, method, tmp_path / method, prompts)
     random_dir = write_drafter_for(target, method, tmp_path / "random", seed=5)
     untrained, _ = acceptance(target, method, random_dir, prompts)
@@ -146,6 +146,8 @@ def test_resume_after_a_kill_at_a_checkpoint_ends_where_an_unbroken_run_ends(tar
         train(broken)
     monkeypatch.setattr(loop, "save", real_save)
     assert torch.load(tmp_path / "broken" / STATE_FILE, weights_only=False)["step"] == 6
+    # the resumed run reads the chunks it trained on, without generating the continuations again
+    monkeypatch.setattr(loop, "load_data", lambda *args: pytest.fail("--resume made its data again"))
     train(broken, resume=True)
     a = torch.load(tmp_path / "whole" / STATE_FILE, weights_only=False)
     b = torch.load(tmp_path / "broken" / STATE_FILE, weights_only=False)
@@ -206,12 +208,41 @@ def test_chat_self_distillation_trains_on_prompts_and_the_targets_own_answers(ta
     cfg = TrainConfig(target=str(target), method="eagle3", out=str(tmp_path / "out"), data=(str(prompts),),
                       seq_len=32, max_tokens=400, answer_tokens=20, is_progress_shown=False)
     train_set, val_set = load_data(cfg, target, is_byte_level=True)
-    stream = [t for chunk in train_set + val_set for t in chunk]
-    assert all(len(chunk) == 32 for chunk in train_set + val_set) and 32 * 2 <= len(stream) <= 400
+    stream = [t for chunk in train_set + val_set for t in chunk.tokens]
+    assert all(len(chunk.tokens) == len(chunk.label_mask) == 32 for chunk in train_set + val_set)
+    assert 32 * 2 <= len(stream) <= 400
     first = list(b"def f0(x):\n")  # no chat template: the prompt as text, then the target's greedy answer
     with LLM(EngineConfig(model=str(target), dtype="float32")) as llm:
         answer = llm.generate([first], SamplingParams(max_tokens=20, temperature=0.0))[0].token_ids
     assert stream[:len(first) + len(answer)] == first + answer
+    # only the answer's labels count: position q's label predicts token q + 1
+    mask = train_set[0].label_mask
+    assert mask[:len(first) - 1] == [False] * (len(first) - 1)
+    assert mask[len(first) - 1:len(first) + len(answer) - 1] == [True] * len(answer)
+    with_prompts, _ = load_data(dataclasses.replace(cfg, has_prompt_loss=True), target, is_byte_level=True)
+    assert with_prompts[0].tokens == train_set[0].tokens and with_prompts[0].label_mask is None
     assert b"dropped" not in bytes(t for t in stream if t < 256)
     with pytest.raises(ValueError, match="exclude each other"):
         dataclasses.replace(cfg, self_distill_tokens=8)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@torch.no_grad()
+def test_labels_the_mask_leaves_out_change_neither_the_loss_nor_the_acceptance(target, tmp_path, method):
+    from specray.training.data import Chunk
+    from specray.training.loop import build_trainee, objective
+    from specray.training.target import TargetFeatures
+
+    cfg = TrainConfig(target=str(target), method=method, out=str(tmp_path), seq_len=32, ttt_steps=3, block_size=4,
+                      num_anchors=6, is_progress_shown=False)
+    features = TargetFeatures(target, default_aux_layers(4))
+    chunk = Chunk(list(range(40, 72)), [q >= 12 for q in range(32)])  # the labels from position 12 on count
+    hidden, labels = features.run(chunk.tokens)
+    trainee = build_trainee(cfg, features, [chunk])
+    loss, _, lengths = objective(cfg, trainee, features, hidden, chunk, labels, None)
+    outside, inside = labels.clone(), labels.clone()
+    outside[:12] = (outside[:12] + 1) % features.arch.vocab_size
+    inside[20] = (inside[20] + 1) % features.arch.vocab_size
+    loss_outside, _, lengths_outside = objective(cfg, trainee, features, hidden, chunk, outside, None)
+    assert float(loss_outside) == float(loss) and torch.equal(lengths_outside, lengths)
+    assert float(objective(cfg, trainee, features, hidden, chunk, inside, None)[0]) != float(loss)

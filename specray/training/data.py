@@ -13,7 +13,9 @@ to complete it), or the ``prompt``/``messages`` rows of the given JSONL files (a
 assistant turn dropped: the target writes the answer).
 
 Token streams are cut into chunks of ``seq_len`` tokens; the last ``val_fraction`` of the
-chunks (at least one) is the validation split.
+chunks (at least one) is the validation split. A chunk of prompts and answers carries a label
+mask: only the labels of answer tokens count (as SpecForge's loss mask over assistant turns),
+because at serving time a prompt is given, never drafted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import sysconfig
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 MAX_STUB_LINES = 20  # HumanEval-sized stubs: the answer, not a long docstring, should fill the sequences
 # Asking for a function's body in a few wordings, so that no one phrasing is learnt as the only one.
@@ -116,8 +119,21 @@ def file_chats(path: Path) -> list[list[dict]]:
     return chats
 
 
-def cut(stream: list[int], seq_len: int) -> list[list[int]]:
+class Chunk(NamedTuple):
+    """One training sequence. ``label_mask[q]``: whether position q's label (the target's next
+    token after q) counts in the loss and the acceptance; None: every label counts."""
+    tokens: list[int]
+    label_mask: list[bool] | None = None
+
+
+def cut(stream: list, seq_len: int) -> list[list]:
     return [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def answer_label_mask(is_answer: list[bool]) -> list[bool]:
+    """Position q's label predicts token q + 1, so it counts where token q + 1 is an answer
+    token; the stream's last position has no next token."""
+    return is_answer[1:] + [False]
 
 
 def token_chunks(paths: list[Path], tokenizer, seq_len: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -140,7 +156,7 @@ def token_chunks(paths: list[Path], tokenizer, seq_len: int, max_tokens: int, se
     return chunks
 
 
-def split(chunks: list[list[int]], val_fraction: float) -> tuple[list[list[int]], list[list[int]]]:
+def split(chunks: list, val_fraction: float) -> tuple[list, list]:
     """(train, validation): the last ``val_fraction`` of the chunks, at least one, validate."""
     if len(chunks) < 2:
         raise ValueError(f"the dataset gives {len(chunks)} sequence(s); training needs at least 2 (one to "

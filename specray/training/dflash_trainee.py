@@ -9,7 +9,8 @@ Row i >= 1 of the block is trained to the target's greedy token at position a + 
 target's argmax after position a + i - 1), weighted exp(-(i - 1) / gamma) as the DFlash
 paper weights block positions (nearer drafts matter more: a later one counts only if every
 earlier one was accepted). Many anchors of one sequence train together, each block seeing
-only its own context prefix.
+only its own context prefix. With a label mask, anchors are drawn where the first label
+counts and a row's loss counts where its own label does.
 """
 
 from __future__ import annotations
@@ -55,17 +56,23 @@ class DFlashTrainee(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.state_dict().items()}
 
-    def anchors(self, num_tokens: int, num: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Anchor positions in [1, num_tokens - block_size + 1]: random (training) or evenly spread."""
+    def anchors(self, num_tokens: int, num: int, generator: torch.Generator | None, label_mask=None) -> torch.Tensor:
+        """Anchor positions in [1, num_tokens - block_size + 1] (where the label mask, if any, counts
+        the anchor's label; all of them when it counts none there): random (training) or evenly spread."""
         last = num_tokens - self.block_size + 1
         if last < 1:
             raise ValueError(f"sequences of {num_tokens} tokens are too short for blocks of {self.block_size}")
+        allowed = torch.arange(1, last + 1)
+        if label_mask is not None and label_mask[allowed].any():
+            allowed = allowed[label_mask[allowed]]
         if generator is None:
-            return torch.linspace(1, last, min(num, last)).round().long().unique()
-        return (torch.randperm(last, generator=generator)[:num] + 1).sort().values
+            return allowed[torch.linspace(0, allowed.numel() - 1, min(num, allowed.numel())).round().long().unique()]
+        return allowed[torch.randperm(allowed.numel(), generator=generator)[:num]].sort().values
 
-    def block_loss(self, features, tokens, labels, embed_weight, head_weight, anchors: torch.Tensor, k: int):
-        """(loss, per-row accuracy [B - 1], teacher-forced acceptance per block at k drafts)."""
+    def block_loss(self, features, tokens, labels, embed_weight, head_weight, anchors: torch.Tensor, k: int,
+                   label_mask=None):
+        """(loss, per-row accuracy [B - 1], teacher-forced acceptance per block at k drafts);
+        ``label_mask`` [T] bool: the labels that count (None: all)."""
         n, num_ctx = self.block_size, tokens.numel()
         offsets = torch.arange(n)
         positions = (anchors[:, None] + offsets[None]).reshape(-1)
@@ -87,9 +94,11 @@ class DFlashTrainee(nn.Module):
             x = layer.feed_forward(x)
         rows = self.norm(x).view(anchors.numel(), n, -1)[:, 1:]
         logits = F.linear(rows, head_weight)
-        target = labels[anchors[:, None] + offsets[None, :-1]]
-        weights = torch.tensor([math.exp(-i / self.gamma) for i in range(n - 1)])
+        at = anchors[:, None] + offsets[None, :-1]
+        target = labels[at]
+        counts = torch.ones_like(target, dtype=torch.bool) if label_mask is None else label_mask[at]
+        weights = torch.tensor([math.exp(-i / self.gamma) for i in range(n - 1)]) * counts
         per_row = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-        loss = (per_row.view(-1, n - 1) * weights).sum() / (weights.sum() * anchors.numel())
-        correct = logits.argmax(-1) == target
+        loss = (per_row.view(-1, n - 1) * weights).sum() / weights.sum().clamp(min=1e-6)
+        correct = (logits.argmax(-1) == target) & counts
         return loss, correct.float().mean(0), teacher_forced_acceptance(correct[:, :k])

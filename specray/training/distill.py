@@ -8,7 +8,8 @@ other text that the target would not have written.
 - ``continue_chunks``: each chunk's head followed by the target's greedy continuation
   (``--self-distill-tokens``);
 - ``answer_chats``: chat prompts followed by the target's greedy answers, conversation after
-  conversation, until the token budget is full (``--answer-tokens``).
+  conversation, until the token budget is full (``--answer-tokens``); only the answers' labels
+  count unless ``--prompt-loss``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-from specray.training.data import cut
+from specray.training.data import Chunk, answer_label_mask, cut
 from specray.training.recipe import TrainConfig
 
 CHATS_PER_CALL = 32  # conversations generated together (the engine batches them), between budget checks
@@ -48,23 +49,30 @@ def encode_prompt(tokenizer, chat: list[dict]) -> list[int]:
     return tokenizer.encode_chat(chat)
 
 
-def answer_chats(chats: list[list[dict]], tokenizer, cfg: TrainConfig) -> list[list[int]]:
+def answer_chats(chats: list[list[dict]], tokenizer, cfg: TrainConfig) -> list[Chunk]:
     """Chunks of ``seq_len`` from prompt + greedy answer (at most ``answer_tokens``, ending at the
-    end of the turn), concatenated until ``max_tokens`` tokens are written or the prompts run out."""
+    end of the turn), concatenated until ``max_tokens`` tokens are written or the prompts run out;
+    masked to the answers' labels (chunks without one dropped) unless ``has_prompt_loss``."""
     from specray.config import SamplingParams
 
     params = SamplingParams(max_tokens=cfg.answer_tokens, temperature=0.0)
     stream: list[int] = []
+    is_answer: list[bool] = []
     num_answered, num_answer_tokens, started = 0, 0, time.monotonic()
     with _engine(cfg) as llm:
         for start in range(0, len(chats), CHATS_PER_CALL):
             prompts = [encode_prompt(tokenizer, chat) for chat in chats[start:start + CHATS_PER_CALL]]
             for prompt, out in zip(prompts, llm.generate(prompts, params)):
                 stream += prompt + out.token_ids
+                is_answer += [False] * len(prompt) + [True] * len(out.token_ids)
                 num_answered, num_answer_tokens = num_answered + 1, num_answer_tokens + len(out.token_ids)
             if cfg.is_progress_shown:
                 print(f"answered {num_answered} prompts: {num_answer_tokens} answer tokens, {len(stream)} of "
                       f"{cfg.max_tokens} tokens ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
             if len(stream) >= cfg.max_tokens:
                 break
-    return cut(stream[:cfg.max_tokens], cfg.seq_len)
+    tokens = cut(stream[:cfg.max_tokens], cfg.seq_len)
+    if cfg.has_prompt_loss:
+        return [Chunk(t) for t in tokens]
+    masks = cut(answer_label_mask(is_answer)[:cfg.max_tokens], cfg.seq_len)
+    return [Chunk(t, m) for t, m in zip(tokens, masks) if any(m)]

@@ -12,7 +12,8 @@ exactly the keys specray's drafter has cached when it drafts there. RoPE positio
 p + j, as in specray's drafter. Step j's loss is weighted 0.8^j (SpecForge's decay).
 
 Labels are the target's greedy tokens (cross-entropy to the target's argmax), kept when that
-token is in the draft vocabulary. The draft vocabulary is the ``draft_vocab_size`` most
+token is in the draft vocabulary and the chunk's label mask (if any) counts it; the acceptance
+is measured over the chains whose first label counts. The draft vocabulary is the ``draft_vocab_size`` most
 frequent target tokens of the training data; draft id i is target id i + d2t[i].
 """
 
@@ -73,8 +74,9 @@ class Eagle3Trainee(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.state_dict().items()}
 
-    def unroll(self, features, tokens, labels, embed_weight, num_steps: int):
-        """(loss, per-step accuracy [num_steps], teacher-forced acceptance per chain) of one sequence."""
+    def unroll(self, features, tokens, labels, embed_weight, num_steps: int, label_mask=None):
+        """(loss, per-step accuracy [num_steps], teacher-forced acceptance per chain) of one sequence;
+        ``label_mask`` [T] bool: the labels that count (None: all)."""
         num_rows = tokens.numel()
         rows = torch.arange(num_rows)
         causal = rows[None, :] <= rows[:, None]
@@ -85,6 +87,8 @@ class Eagle3Trainee(nn.Module):
         for j in range(num_steps):
             src = (rows + j + 1).clamp(max=num_rows - 1)
             valid = (rows + j + 1 < num_rows) & (self.t2d[labels[src]] >= 0)
+            if label_mask is not None:
+                valid &= label_mask[src]
             cos, sin = self.rotary(rows + j, num_rows + j)
             hidden = self.midlayer.hidden_norm(h)
             x = torch.cat([self.midlayer.input_layernorm(F.embedding(tokens[src], embed_weight)), hidden], dim=-1)
@@ -102,5 +106,7 @@ class Eagle3Trainee(nn.Module):
             correct.append((logits.argmax(-1) == target) & valid)
             h = g
         hits = torch.stack(correct, dim=1)[:max(chains, 0)]
+        if label_mask is not None:  # the chains a drafter runs: those that start on a counted label
+            hits = hits[label_mask[1:1 + hits.shape[0]]]
         weight = sum(STEP_DECAY ** j for j in range(num_steps))
         return sum(losses) / weight, hits.float().mean(0), teacher_forced_acceptance(hits)

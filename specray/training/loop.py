@@ -18,15 +18,19 @@ import torch
 from specray.models.loader import read_model_arch
 from specray.models.presets import resolve_model
 from specray.models.tokenizer import load_tokenizer
-from specray.training.data import file_chats, split, stdlib_chats, token_chunks
+from specray.training.data import Chunk, file_chats, split, stdlib_chats, token_chunks
 from specray.training.distill import answer_chats, continue_chunks
 from specray.training.recipe import TrainConfig, default_aux_layers, lr_at, threads_to_use
 from specray.training.target import TargetFeatures, check_feature_layers
 
 STATE_FILE = "train_state.pt"
+DATA_FILE = "train_data.json"  # the token chunks: --resume reads them instead of generating answers again
 LOG_FILE = "train_log.json"
 PLOT_FILE = "training.png"
-OUTPUT_FILES = ("config.json", "model.safetensors", STATE_FILE, LOG_FILE, PLOT_FILE)
+OUTPUT_FILES = ("config.json", "model.safetensors", STATE_FILE, DATA_FILE, LOG_FILE, PLOT_FILE)
+# the settings that decide the chunks: a resumed run with the same ones reads DATA_FILE
+DATA_KEYS = ("target", "data", "seq_len", "max_tokens", "val_fraction", "self_distill_tokens", "answer_tokens",
+             "has_prompt_loss", "seed")
 
 
 def prepare_out(out: Path, overwrite: bool, resume: bool) -> None:
@@ -58,28 +62,34 @@ def build_trainee(cfg: TrainConfig, target: TargetFeatures, train_set, kept_ids=
     if kept_ids is None:  # the draft vocabulary: the target's most frequent greedy tokens on the data
         counts = torch.zeros(arch.vocab_size, dtype=torch.int64)
         for i, chunk in enumerate(train_set):
-            counts += torch.bincount(target.cached(i, chunk)[1], minlength=arch.vocab_size)
+            labels = target.cached(i, chunk.tokens)[1]
+            if chunk.label_mask is not None:
+                labels = labels[torch.tensor(chunk.label_mask)]
+            counts += torch.bincount(labels, minlength=arch.vocab_size)
         kept_ids = draft_vocabulary(counts, min(cfg.draft_vocab_size, arch.vocab_size))
     return Eagle3Trainee(arch, target.feature_layers, kept_ids, target.head_weight(), target.norm_weight())
 
 
-def objective(cfg: TrainConfig, trainee, target: TargetFeatures, features, tokens, labels, generator):
+def objective(cfg: TrainConfig, trainee, target: TargetFeatures, features, chunk: Chunk, labels, generator):
     """(loss, per-position accuracy, teacher-forced acceptance per chain) of one sequence."""
+    tokens = torch.tensor(chunk.tokens)
+    mask = None if chunk.label_mask is None else torch.tensor(chunk.label_mask)
     if cfg.method == "eagle3":
-        return trainee.unroll(features, tokens, labels, target.embed_weight(), cfg.ttt_steps)
-    anchors = trainee.anchors(tokens.numel(), cfg.num_anchors, generator)
+        return trainee.unroll(features, tokens, labels, target.embed_weight(), cfg.ttt_steps, mask)
+    anchors = trainee.anchors(tokens.numel(), cfg.num_anchors, generator, mask)
     return trainee.block_loss(features, tokens, labels, target.embed_weight(), target.head_weight(), anchors,
-                              min(cfg.block_size - 1, 7))
+                              min(cfg.block_size - 1, 7), mask)
 
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, trainee, target: TargetFeatures, val_set, offset: int) -> dict:
     losses, accs, lengths = [], [], []
     for i, chunk in enumerate(val_set):
-        features, labels = target.cached(offset + i, chunk)
-        loss, acc, al = objective(cfg, trainee, target, features, torch.tensor(chunk), labels, None)
+        features, labels = target.cached(offset + i, chunk.tokens)
+        loss, acc, al = objective(cfg, trainee, target, features, chunk, labels, None)
         losses.append(float(loss)), accs.append(acc), lengths.append(al)
-    return dict(val_loss=sum(losses) / len(losses), val_accuracy_per_position=torch.stack(accs).mean(0).tolist(),
+    # nanmean: a validation chunk whose label mask starts no whole chain has no accuracy to give
+    return dict(val_loss=sum(losses) / len(losses), val_accuracy_per_position=torch.stack(accs).nanmean(0).tolist(),
                 val_acceptance_length=float(torch.cat(lengths).mean()))
 
 
@@ -105,7 +115,7 @@ def _resumed_state(out: Path, cfg: TrainConfig) -> dict:
     return state
 
 
-def load_data(cfg: TrainConfig, model_path: Path, is_byte_level: bool):
+def load_data(cfg: TrainConfig, model_path: Path, is_byte_level: bool) -> tuple[list[Chunk], list[Chunk]]:
     tokenizer = load_tokenizer(model_path, is_byte_level=is_byte_level)
     paths = [Path(p) for p in cfg.data]
     if cfg.answer_tokens:
@@ -114,11 +124,25 @@ def load_data(cfg: TrainConfig, model_path: Path, is_byte_level: bool):
         if not chunks:
             raise ValueError(f"the answered prompts ({len(chats)}) hold fewer tokens than one sequence of seq_len "
                              f"{cfg.seq_len}: nothing to train on")
-    else:
-        chunks = token_chunks(paths, tokenizer, cfg.seq_len, cfg.max_tokens, cfg.seed)
+        return split(chunks, cfg.val_fraction)
+    chunks = token_chunks(paths, tokenizer, cfg.seq_len, cfg.max_tokens, cfg.seed)
     if cfg.self_distill_tokens:
         chunks = continue_chunks(chunks, cfg)
-    return split(chunks, cfg.val_fraction)
+    return split([Chunk(c) for c in chunks], cfg.val_fraction)
+
+
+def data_for(cfg: TrainConfig, out: Path, model_path: Path, is_byte_level: bool, resume: bool):
+    """The (train, validation) chunks: from ``out``'s DATA_FILE when resuming a run with the same
+    data settings, else made (generating answers can take minutes) and written there."""
+    key = json.loads(json.dumps({name: getattr(cfg, name) for name in DATA_KEYS}))
+    if resume and (out / DATA_FILE).is_file():
+        saved = json.loads((out / DATA_FILE).read_text())
+        if saved["key"] == key:
+            return [Chunk(*c) for c in saved["train"]], [Chunk(*c) for c in saved["val"]]
+    train_set, val_set = load_data(cfg, model_path, is_byte_level)
+    (out / (DATA_FILE + ".tmp")).write_text(json.dumps(dict(key=key, train=train_set, val=val_set)))
+    (out / (DATA_FILE + ".tmp")).replace(out / DATA_FILE)
+    return train_set, val_set
 
 
 def train(cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
@@ -137,7 +161,7 @@ def train(cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False) ->
                          "pip install 'specray[bench]'")
     prepare_out(out, overwrite, resume)
     state = _resumed_state(out, cfg) if resume else None
-    train_set, val_set = load_data(cfg, model_path, is_byte_level=is_preset(cfg.target) or Path(model_path).is_dir())
+    train_set, val_set = data_for(cfg, out, model_path, is_preset(cfg.target) or Path(model_path).is_dir(), resume)
     target = TargetFeatures(model_path, tuple(layers))
     kept = None
     if state is not None and cfg.method == "eagle3":
@@ -170,10 +194,10 @@ def _steps(cfg, out, trainee, optimizer, target, train_set, val_set, step, histo
             epoch, order = step // num, list(range(num))
             random.Random(cfg.seed + epoch).shuffle(order)
         i = order[step % num]
-        features, labels = target.cached(i, train_set[i])
+        features, labels = target.cached(i, train_set[i].tokens)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
-        loss, _, _ = objective(cfg, trainee, target, features, torch.tensor(train_set[i]), labels, generator)
+        loss, _, _ = objective(cfg, trainee, target, features, train_set[i], labels, generator)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainee.parameters(), 1.0)
