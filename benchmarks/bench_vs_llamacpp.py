@@ -46,18 +46,15 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from benchmarks.anchor_weights import anchor_weights
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.bench import BenchConfig, format_table, random_prompts
-from specray.envs import cache_root
 from specray.executor import spec_metrics
-from specray.models.gguf import hf_to_gguf_name
 from specray.models.loader import read_model_arch
-from specray.models.presets import resolve_model
 from specray.models.tokenizer import load_tokenizer
 
 INSTALL_HINT = ("llama-cpp-python is not installed, so there is no llama.cpp anchor to measure: run `make anchors` "
@@ -103,80 +100,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
         same = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
         prefixes.append(same / max(len(x), len(y), 1))
     return dict(identical=sum(x == y for x, y in zip(a, b)) / len(a), prefix=statistics.fmean(prefixes))
-
-
-# ---- the weights both engines load -------------------------------------------------------------
-
-def requantize_f32(llama_cpp, source: Path, threads: int) -> Path:
-    """``source`` requantized to F32 by llama.cpp, once; written under a temporary name and
-    renamed, so an interrupted run leaves no half-written file."""
-    target = cache_root() / "anchors" / f"{source.stem}.F32.gguf"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, threads
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize could not requantize {source} to F32")
-    os.replace(tmp, target)
-    return target
-
-
-def write_preset_gguf(checkpoint: Path, target: Path) -> Path:
-    """A Hugging Face Llama checkpoint as an F32 GGUF as llama.cpp's converter writes it (its tensor
-    names, q/k rows interleaved per head), with a filler SentencePiece vocabulary of the model's size."""
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
-                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
-                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
-                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
-                       ("rope.dimension_count", cfg["head_dim"]), ("vocab_size", vocab)]:
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    writer.add_float32("llama.rope.freq_base", cfg["rope_theta"])
-    # <unk> <s> </s>, the 256 byte tokens, then numbered pieces (1 normal, 2 unknown, 3 control, 6 byte)
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-    tokens += [f"\u2581p{i}" for i in range(vocab - len(tokens))]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    for hf_name, tensor in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
-        name, w = hf_to_gguf_name(hf_name), tensor.float().numpy()
-        if name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary-half interleave
-            n = heads if name.split(".")[-2] == "attn_q" else kv_heads
-            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, target)
-    return target
-
-
-def anchor_weights(llama_cpp, model: str, threads: int) -> tuple[Path, Path]:
-    """(the F32 GGUF both engines load, what transformers loads: that GGUF or the preset's directory)."""
-    source = resolve_model(model)
-    if source.suffix == ".gguf":
-        path = requantize_f32(llama_cpp, source, threads)
-        return path, path
-    target = cache_root() / "anchors" / f"{source.name}.F32.gguf"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_preset_gguf(source, target)
-    return target, source
 
 
 def build_prompts(model: str, path: Path, num: int) -> list[list[int]]:

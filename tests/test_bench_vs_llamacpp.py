@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import bench_vs_llamacpp as bench
+from benchmarks.anchor_weights import write_preset_gguf
 from benchmarks.own_thread import on_own_thread
 from specray import LLM, EngineConfig, KVConfig, SamplingParams
 from specray.models.presets import materialize
@@ -71,7 +72,7 @@ def test_preset_written_to_gguf_decodes_the_same_tokens(tmp_path):
     """The writer's names, q/k interleave and vocabulary, read back by specray's GGUF loader: greedy
     output equal to the preset's own checkpoint (same float32 weights, same arithmetic)."""
     checkpoint = materialize("tiny-llama")
-    path = bench.write_preset_gguf(checkpoint, tmp_path / "tiny-llama.F32.gguf")
+    path = write_preset_gguf(checkpoint, tmp_path / "tiny-llama.F32.gguf")
     prompts = [[5, 17, 42, 99, 3], [250, 7, 7, 7]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outputs = []
