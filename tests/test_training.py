@@ -206,7 +206,7 @@ def test_chat_self_distillation_trains_on_prompts_and_the_targets_own_answers(ta
         [{"prompt": f"def f{i}(x):"} for i in range(8)]
         + [{"messages": [{"role": "user", "content": "def g(y):"}, {"role": "assistant", "content": "dropped"}]}])))
     cfg = TrainConfig(target=str(target), method="eagle3", out=str(tmp_path / "out"), data=(str(prompts),),
-                      seq_len=32, max_tokens=400, answer_tokens=20, is_progress_shown=False)
+                      seq_len=32, max_tokens=400, answer_tokens=20, is_prompt_masked=True, is_progress_shown=False)
     train_set, val_set = load_data(cfg, target, is_byte_level=True)
     stream = [t for chunk in train_set + val_set for t in chunk.tokens]
     assert all(len(chunk.tokens) == len(chunk.label_mask) == 32 for chunk in train_set + val_set)
@@ -219,7 +219,7 @@ def test_chat_self_distillation_trains_on_prompts_and_the_targets_own_answers(ta
     mask = train_set[0].label_mask
     assert mask[:len(first) - 1] == [False] * (len(first) - 1)
     assert mask[len(first) - 1:len(first) + len(answer) - 1] == [True] * len(answer)
-    with_prompts, _ = load_data(dataclasses.replace(cfg, has_prompt_loss=True), target, is_byte_level=True)
+    with_prompts, _ = load_data(dataclasses.replace(cfg, is_prompt_masked=False), target, is_byte_level=True)
     assert with_prompts[0].tokens == train_set[0].tokens and with_prompts[0].label_mask is None
     assert b"dropped" not in bytes(t for t in stream if t < 256)
     with pytest.raises(ValueError, match="exclude each other"):

@@ -34,9 +34,9 @@ def add_train_drafter_parser(commands) -> None:
     p.add_argument("--answer-tokens", type=int, default=d.answer_tokens,
                    help="train on the target's own greedy chat answers (at most this many tokens each) to prompts: "
                         "the standard library's documented functions, or the prompt/messages rows of --data JSONL")
-    p.add_argument("--prompt-loss", action="store_true",
-                   help="with --answer-tokens: train on the prompts' tokens too (default: the answers' alone, as "
-                        "SpecForge masks the loss to assistant turns)")
+    p.add_argument("--mask-prompts", action="store_true",
+                   help="with --answer-tokens: count only the answers' labels (SpecForge's loss mask over assistant "
+                        "turns); measured worse on HumanEval here, see docs/training.md")
     for name in ("seq_len", "max_tokens", "steps", "warmup_steps", "eval_every", "ttt_steps", "draft_vocab_size",
                  "num_layers", "block_size", "num_anchors", "seed", "num_threads"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
@@ -53,7 +53,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     cfg = TrainConfig(target=args.target, method=args.method, out=args.out, data=tuple(args.data),
                       aux_layers=args.aux_layers, seq_len=args.seq_len, max_tokens=args.max_tokens,
                       val_fraction=args.val_fraction, self_distill_tokens=args.self_distill_tokens,
-                      answer_tokens=args.answer_tokens, has_prompt_loss=args.prompt_loss, steps=args.steps,
+                      answer_tokens=args.answer_tokens, is_prompt_masked=args.mask_prompts, steps=args.steps,
                       lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
                       ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, num_layers=args.num_layers,
                       block_size=args.block_size, mask_token_id=args.mask_token_id, num_anchors=args.num_anchors,

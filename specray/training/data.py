@@ -13,9 +13,9 @@ to complete it), or the ``prompt``/``messages`` rows of the given JSONL files (a
 assistant turn dropped: the target writes the answer).
 
 Token streams are cut into chunks of ``seq_len`` tokens; the last ``val_fraction`` of the
-chunks (at least one) is the validation split. A chunk of prompts and answers carries a label
-mask: only the labels of answer tokens count (as SpecForge's loss mask over assistant turns),
-because at serving time a prompt is given, never drafted.
+chunks (at least one) is the validation split. With ``--mask-prompts`` a chunk of prompts and
+answers carries a label mask: only the labels of answer tokens count (as SpecForge's loss mask
+over assistant turns: at serving time a prompt is given, never drafted).
 """
 
 from __future__ import annotations

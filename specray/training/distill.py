@@ -8,8 +8,8 @@ other text that the target would not have written.
 - ``continue_chunks``: each chunk's head followed by the target's greedy continuation
   (``--self-distill-tokens``);
 - ``answer_chats``: chat prompts followed by the target's greedy answers, conversation after
-  conversation, until the token budget is full (``--answer-tokens``); only the answers' labels
-  count unless ``--prompt-loss``.
+  conversation, until the token budget is full (``--answer-tokens``); with ``--mask-prompts``
+  only the answers' labels count.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def encode_prompt(tokenizer, chat: list[dict]) -> list[int]:
 def answer_chats(chats: list[list[dict]], tokenizer, cfg: TrainConfig) -> list[Chunk]:
     """Chunks of ``seq_len`` from prompt + greedy answer (at most ``answer_tokens``, ending at the
     end of the turn), concatenated until ``max_tokens`` tokens are written or the prompts run out;
-    masked to the answers' labels (chunks without one dropped) unless ``has_prompt_loss``."""
+    with ``is_prompt_masked``, masked to the answers' labels (chunks without one dropped)."""
     from specray.config import SamplingParams
 
     params = SamplingParams(max_tokens=cfg.answer_tokens, temperature=0.0)
@@ -72,7 +72,7 @@ def answer_chats(chats: list[list[dict]], tokenizer, cfg: TrainConfig) -> list[C
             if len(stream) >= cfg.max_tokens:
                 break
     tokens = cut(stream[:cfg.max_tokens], cfg.seq_len)
-    if cfg.has_prompt_loss:
+    if not cfg.is_prompt_masked:
         return [Chunk(t) for t in tokens]
     masks = cut(answer_label_mask(is_answer)[:cfg.max_tokens], cfg.seq_len)
     return [Chunk(t, m) for t, m in zip(tokens, masks) if any(m)]

@@ -30,7 +30,7 @@ PLOT_FILE = "training.png"
 OUTPUT_FILES = ("config.json", "model.safetensors", STATE_FILE, DATA_FILE, LOG_FILE, PLOT_FILE)
 # the settings that decide the chunks: a resumed run with the same ones reads DATA_FILE
 DATA_KEYS = ("target", "data", "seq_len", "max_tokens", "val_fraction", "self_distill_tokens", "answer_tokens",
-             "has_prompt_loss", "seed")
+             "is_prompt_masked", "seed")
 
 
 def prepare_out(out: Path, overwrite: bool, resume: bool) -> None:

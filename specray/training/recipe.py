@@ -19,7 +19,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     self_distill_tokens: int = 0  # >0: append the target's greedy continuation of this many tokens to each prefix
     answer_tokens: int = 0  # >0: train on the target's greedy chat answers (at most this long) to prompts
-    has_prompt_loss: bool = False  # answer_tokens: the prompts' labels count too (default: the answers' alone)
+    is_prompt_masked: bool = False  # answer_tokens: only the answers' labels count (default: every label)
     steps: int = 600
     lr: float = 1e-3
     warmup_steps: int = 20
