@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
                  achieved_tpot_ms=tpot1, fraction_of_floor=floor_ms / tpot1)
     load = (load_before, os.getloadavg()[0])
     print(f"\n{args.model} float32, input {bench.input_len}, output {bench.output_len}, one run; 1-min load average "
-          f"{load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs (above the CPU count: timings are noisy)")
+          f"{load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs (a load above the CPU count makes timings noisy)")
     print(format_table(rows, COLUMNS))
     print(f"batch-{min(spec)} decode: {tpot1:.2f} ms/token vs the GEMV floor {floor_ms:.2f} ms (torch.mv over "
           f"{floor_bytes / 1e6:.0f} MB of weight shapes, {floor['gemv_gb_s']:.1f} GB/s) = "
