@@ -19,11 +19,12 @@ either side, so the token counts are equal) at batch 1, greedy. Each prompt is a
 
 Rows: ``TPOT`` = decode time per token after the first (median over prompts); ``tok/s`` = tokens /
 wall time over all prompts, prefill included; ``ngram k=K`` = prompt-lookup drafting of K tokens
-per step (``--ngram-k``, default 3 and 5), on both sides: llama.cpp's
+per step (``--ngram-k``, default 3, 5 and 7), on both sides: llama.cpp's
 ``LlamaPromptLookupDecoding(num_pred_tokens=K)`` (its default 2-gram then 1-gram lookup) against
 specray's ``SpecConfig(method="ngram", num_draft_tokens=K, prompt_lookup_min=1,
-prompt_lookup_max=4)`` (4- down to 1-grams, as bench_spec's default; ``--lookup MIN,MAX``). The
-n-gram target compares each engine at its own fastest K. transformers' batch-1 TPOT (from
+prompt_lookup_max=4, prompt_lookup_spec_factor=2.0)`` (4- down to 1-grams, as bench_spec's
+default, ``--lookup MIN,MAX``; at most 2 drafts per matched token, ``--spec-factor``, 0: off).
+The n-gram target compares each engine at its own fastest K. transformers' batch-1 TPOT (from
 bench_vs_transformers) is a third column unless ``--no-transformers``. The rounds alternate the
 engines, so a burst of load from other processes falls on both; the fastest round of each counts.
 Token agreement between the two engines is reported (identical outputs and the agreeing prefix),
@@ -59,8 +60,11 @@ from specray.models.tokenizer import load_tokenizer
 
 INSTALL_HINT = ("llama-cpp-python is not installed, so there is no llama.cpp anchor to measure: run `make anchors` "
                 "(builds llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, about 11 minutes on 2 cores)")
-NGRAM_KS = (3, 5)  # drafts per step, on both sides; each engine's fastest k counts for the n-gram target
+NGRAM_KS = (3, 5, 7)  # drafts per step, on both sides; each engine's fastest k counts for the n-gram target
 LOOKUP = (1, 4)  # specray's prompt_lookup_min, max: like llama.cpp's lookup it falls back to 1-grams
+# specray's prompt_lookup_spec_factor: chosen by replaying the proposer over HumanEval problems 8-39's plain
+# outputs with the engine's per-row verify cost (docs/benchmarks.md), not on the 8 problems measured here
+SPEC_FACTOR = 2.0
 TARGETS = dict(tpot_ratio_max=1.25, hf_tpot_speedup_min=2.5, ngram_tok_s_ratio_min=1.5)  # issue 18
 COLUMNS = [("metric", "metric", "s"), ("specray", "specray", ".2f"), ("llamacpp", "llama.cpp", ".2f"),
            ("ratio", "specray/llama.cpp", ".2f"), ("transformers", "transformers", ".2f")]
@@ -75,11 +79,12 @@ def mode_k(mode: str) -> int | None:
     return int(mode.split("=")[1]) if mode.startswith("ngram") else None
 
 
-def specray_spec(mode: str, lookup: tuple[int, int]) -> SpecConfig:
+def specray_spec(mode: str, lookup: tuple[int, int], spec_factor: float | None = None) -> SpecConfig:
     k = mode_k(mode)
     if k is None:
         return SpecConfig()
-    return SpecConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1])
+    return SpecConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1],
+                      prompt_lookup_spec_factor=spec_factor)
 
 
 def decode_tpot_ms(stamps: list[float]) -> float:
@@ -196,7 +201,7 @@ def run_rounds(args, path: Path, hf_path: Path, prompts: list[list[int]], llamas
     for r in range(args.rounds):
         for mode, llama in llamas.items():
             cfg = EngineConfig(model=str(path), kv=KVConfig(tokens_per_block=64, capacity_tokens=capacity),
-                               spec=specray_spec(mode, args.lookup))
+                               spec=specray_spec(mode, args.lookup, args.spec_factor or None))
             with LLM(cfg) as llm:  # one engine open at a time; loading is outside the timed part
                 run_specray(llm, prompts[:1], 8)  # warm-up
                 record("specray", mode, run_specray(llm, prompts, args.output_len))
@@ -273,6 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="drafts per step of the n-gram rows, on both sides, e.g. 3,5")
     ap.add_argument("--lookup", default=f"{LOOKUP[0]},{LOOKUP[1]}",
                     help="specray's ngram prompt_lookup_min,prompt_lookup_max")
+    ap.add_argument("--spec-factor", type=float, default=SPEC_FACTOR,
+                    help="specray's ngram prompt_lookup_spec_factor (drafts per matched token; 0: up to k always)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 32 tokens, 1 round")
     ap.add_argument("--json", type=Path, default=None, help="default: bench-results/bench_vs_llamacpp_MODEL.json")
     args = ap.parse_args(argv)
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
     print(f"\n{args.model} F32 ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_len} new tokens each, batch 1, "
           f"greedy, {threads} thread(s), fastest of {args.rounds} alternating round(s); specray ngram "
-          f"lookup {args.lookup[0]}-{args.lookup[1]}-grams; llama-cpp-python {llama_cpp.__version__}\n")
+          f"lookup {args.lookup[0]}-{args.lookup[1]}-grams, spec factor {args.spec_factor or 'off'}; llama-cpp-python {llama_cpp.__version__}\n")
     print(format_table(rows, COLUMNS))
     for name, a in agree.items():
         print(f"same tokens, {name}: {a['identical']:.0%} of outputs identical, {a['prefix']:.0%} agreeing prefix")
@@ -323,6 +330,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(dict(
         model=args.model, weights=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
         output_len=args.output_len, rounds=args.rounds, threads=threads, prompt_lookup_min_max=list(args.lookup),
+        spec_factor=args.spec_factor,
         quick=args.quick, rows=rows,
         agreement=agree, verdicts=lines, targets=TARGETS, round_tok_s=history,
         machine=dict(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_after,

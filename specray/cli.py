@@ -78,6 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ngram: shortest n-gram to match (default: --prompt-lookup-max, else 5)")
     g.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max,
                    help="ngram: longest n-gram to match, tried first (default: --prompt-lookup-min, else 5)")
+    g.add_argument("--prompt-lookup-spec-factor", type=float, default=s.prompt_lookup_spec_factor,
+                   help="ngram: draft at most this many tokens per matched token (a 2-gram match at 2.0: up to 4), "
+                        "and at most k (default: up to k whatever the match)")
     g.add_argument("--dspark-confidence-threshold", type=float, default=s.dspark_confidence_threshold,
                    help="dspark: stop a sequence's drafts where the product of its confidence head's "
                         "predictions falls below this (default: off, always k drafts)")
@@ -113,6 +116,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                         force_accepted_tokens=args.force_accepted_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                        prompt_lookup_spec_factor=args.prompt_lookup_spec_factor,
                         dspark_confidence_threshold=args.dspark_confidence_threshold),
     )
 

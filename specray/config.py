@@ -155,6 +155,11 @@ class SpecConfig:
     prompt_lookup_max: int | None = None
     """ngram: the longest n-gram to match; longer matches are tried first. Unset: prompt_lookup_min
     if that is set, else 5 (vLLM's default)."""
+    prompt_lookup_spec_factor: float | None = None
+    """ngram: draft at most floor(factor x the matched n-gram's length) tokens (and at most k), as
+    SuffixDecoding scales its speculation with the match length (vLLM's
+    ``suffix_decoding_max_spec_factor``): a 1-gram match is weak evidence, a 4-gram strong. None
+    (the default, vLLM's ngram): up to k whatever the match."""
 
     dspark_confidence_threshold: float | None = None
     """dspark: stop a sequence's drafts early where its confidence head predicts they would be
@@ -180,8 +185,10 @@ class SpecConfig:
     def _resolve_prompt_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if self.method != "ngram":
-            _require(lo is None and hi is None, f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) apply to "
-                     f"spec method 'ngram' only, not {self.method!r}: leave them unset")
+            f = self.prompt_lookup_spec_factor
+            _require(lo is None and hi is None and f is None, f"prompt_lookup_min ({lo}), prompt_lookup_max ({hi}) "
+                     f"and prompt_lookup_spec_factor ({f}) apply to spec method 'ngram' only, not {self.method!r}: "
+                     f"leave them unset")
             return
         _require(self.draft_model is None, f"spec method 'ngram' drafts from the sequence's own tokens: "
                  f"draft_model ({self.draft_model!r}) must be unset")
@@ -192,6 +199,9 @@ class SpecConfig:
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             _require(isinstance(value, int) and value >= 1, f"{name} ({value}) must be an integer >= 1")
         _require(lo <= hi, f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        f = self.prompt_lookup_spec_factor
+        _require(f is None or (isinstance(f, (int, float)) and f > 0),
+                 f"prompt_lookup_spec_factor ({f}) must be > 0, or None to draft up to k whatever the match")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 

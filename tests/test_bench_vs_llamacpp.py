@@ -63,7 +63,10 @@ def test_without_llama_cpp_it_says_how_to_install_it_and_skips(monkeypatch, caps
 def test_quick_and_bad_arguments():
     args = bench.parse_args(["--quick", "--threads", "1"])
     assert (args.num_prompts, args.output_len, args.rounds, args.threads) == (2, 32, 1, 1)
-    assert (args.ngram_k, args.lookup) == ((3, 5), (1, 4))
+    assert (args.ngram_k, args.lookup, args.spec_factor) == ((3, 5, 7), (1, 4), 2.0)
+    spec = bench.specray_spec("ngram k=5", args.lookup, args.spec_factor)
+    assert (spec.num_draft_tokens, spec.prompt_lookup_min, spec.prompt_lookup_spec_factor) == (5, 1, 2.0)
+    assert not bench.specray_spec("plain", args.lookup, args.spec_factor).is_enabled
     with pytest.raises(SystemExit):
         bench.parse_args(["--output-len", "1"])
 

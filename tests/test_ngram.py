@@ -45,6 +45,19 @@ def test_find_ngram_drafts(tokens, min_n, max_n, k, drafts):
     assert find_ngram_drafts(tokens, min_n, max_n, k) == drafts
 
 
+@pytest.mark.parametrize("min_n, factor, drafts", [
+    (1, None, [8, 7, 3, 1, 2]),  # no factor: up to k (5), cut at the sequence's end
+    (1, 1.0, [8, 7, 3]),         # the 3-gram [3, 1, 2] matched: at most 1.0 * 3 drafts
+    (1, 1.5, [8, 7, 3, 1]),      # floor(1.5 * 3) = 4
+    (1, 0.3, []),                # floor(0.3 * 3) = 0: no drafts, a plain step
+    (2, 2.0, [8, 7, 3, 1, 2]),   # 2.0 * 3 = 6 > k: k caps
+])
+def test_the_spec_factor_caps_the_drafts_by_the_match_length(min_n, factor, drafts):
+    tokens = [5, 1, 2, 9, 3, 1, 2, 8, 7, 3, 1, 2]
+    assert find_ngram_drafts(tokens, min_n, 3, 5, factor) == drafts
+    assert find_ngram_drafts([1, 2, 3, 1], 1, 3, 5, 2.0) == [2, 3]  # a 1-gram match: at most 2
+
+
 def test_one_hot_drafts_are_accepted_with_the_target_probability():
     """q one-hot at d: accept d w.p. p(d), else draw from p without d, so the first emitted
     token follows p (4000 draws: 0.03 is about 4 standard errors)."""
@@ -98,6 +111,8 @@ def test_scheduler_rolls_back_the_pages_of_short_and_missing_drafts():
     (dict(prompt_lookup_min=0, prompt_lookup_max=2), r"prompt_lookup_min \(0\) must be an integer >= 1"),
     (dict(prompt_lookup_max=0), r"prompt_lookup_min \(0\) must be an integer >= 1"),
     (dict(draft_model="tiny-llama"), r"draft_model \('tiny-llama'\) must be unset"),
+    (dict(prompt_lookup_spec_factor=0), r"prompt_lookup_spec_factor \(0\) must be > 0"),
+    (dict(prompt_lookup_spec_factor=-1.5), r"prompt_lookup_spec_factor \(-1.5\) must be > 0"),
 ])
 def test_bad_ngram_config_is_rejected(spec, rule):
     with pytest.raises(ValueError, match=rule):
@@ -113,15 +128,20 @@ def test_prompt_lookup_defaults_follow_vllm():
     assert (s.prompt_lookup_min, s.prompt_lookup_max) == (2, 2)
     with pytest.raises(ValueError, match="apply to spec method 'ngram' only, not 'eagle3'"):
         SpecConfig(method="eagle3", prompt_lookup_min=2)
+    with pytest.raises(ValueError, match=r"prompt_lookup_spec_factor \(2.0\) apply to spec method 'ngram' only"):
+        SpecConfig(method="eagle3", prompt_lookup_spec_factor=2.0)
+    assert SpecConfig(method="ngram").prompt_lookup_spec_factor is None  # vLLM's ngram: up to k always
 
 
 def test_cli_flags(capsys):
     from specray.cli import build_parser, engine_config_from_args, main
 
     args = build_parser().parse_args(["bench", "--spec", "ngram", "--num-draft-tokens", "5",
-                                      "--prompt-lookup-min", "2", "--prompt-lookup-max", "4"])
+                                      "--prompt-lookup-min", "2", "--prompt-lookup-max", "4",
+                                      "--prompt-lookup-spec-factor", "1.5"])
     s = engine_config_from_args(args).spec
     assert (s.method, s.num_draft_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 5, 2, 4)
+    assert s.prompt_lookup_spec_factor == 1.5
     code = main(["generate", "--prompt-ids", "1,2", "--spec", "ngram", "--prompt-lookup-min", "3",
                  "--prompt-lookup-max", "2"])
     err = capsys.readouterr().err
@@ -144,7 +164,7 @@ def config(model="tiny-llama", k=3, page=32, capacity=8192, parallel=None, spec=
 
 
 def expected_drafting(prompt: list[int], output: list[int], max_tokens: int, k: int, min_n: int = 2,
-                      max_n: int = 4) -> tuple[int, int, int, int]:
+                      max_n: int = 4, spec_factor: float | None = None) -> tuple[int, int, int, int]:
     """(verify steps, drafts proposed, drafts accepted, decode steps) that greedy ngram decoding must show,
     replayed from the plain greedy ``output`` (longer than max_tokens by k + 1): the prefill
     emits output[0]; then each step drafts from the tokens so far and accepts the prefix
@@ -153,7 +173,7 @@ def expected_drafting(prompt: list[int], output: list[int], max_tokens: int, k: 
     j = 1
     while j < max_tokens:
         decode_steps += 1
-        drafts = find_ngram_drafts(prompt + output[:j], min_n, max_n, k)
+        drafts = find_ngram_drafts(prompt + output[:j], min_n, max_n, k, spec_factor)
         n = 0
         while n < len(drafts) and drafts[n] == output[j + n]:
             n += 1
@@ -177,14 +197,14 @@ def plain_runs():
     return out
 
 
-def check_run(llm: LLM, plain_run, k: int) -> list:
+def check_run(llm: LLM, plain_run, k: int, **rule) -> list:
     prompts, plain = plain_run
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == [p[:MAX_TOKENS] for p in plain]
     for prompt, o, p in zip(prompts, outs, plain):
         m = o.metrics
         got = (m["num_verify_steps"], m["num_draft_tokens"], m["num_accepted_tokens"], m["num_decode_steps"])
-        assert got == expected_drafting(prompt, p, MAX_TOKENS, k)
+        assert got == expected_drafting(prompt, p, MAX_TOKENS, k, **rule)
     assert llm.geometry.keys() == {"target"}
     return outs
 
@@ -201,6 +221,16 @@ def test_greedy_ngram_output_is_the_plain_output(plain_runs, k, page):
     assert all(o.metrics["acceptance_length"] > 1.0 for o in outs)
     if k > 1:
         assert sum(o.metrics["num_draft_tokens"] for o in outs) < steps * k
+
+
+def test_a_spec_factor_drafts_what_the_rule_says_and_stays_lossless(plain_runs):
+    """k = 7 capped at 1.5 drafts per matched token (4-gram matches: up to 6): the engine's drafts
+    and acceptances are the replay's, and the output is plain greedy's."""
+    lookup = dict(prompt_lookup_min=1, prompt_lookup_max=4, prompt_lookup_spec_factor=1.5)
+    with LLM(config(k=7, page=32, **lookup)) as llm:
+        check_run(llm, plain_runs["tiny-llama"], 7, min_n=1, max_n=4, spec_factor=1.5)
+        allocator = llm._engine.allocator
+        assert allocator.num_free == allocator.num_blocks
 
 
 def test_no_page_leaks_after_rollbacks_and_preemptions(plain_runs):

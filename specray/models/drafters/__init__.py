@@ -89,7 +89,7 @@ def build_drafter(config: EngineConfig, ctx: DistContext, target):
     if spec.method == "ngram":  # no checkpoint to find: the factory is the one place that knows
         from specray.models.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_spec_factor)
     path = _checkpoint_of(config)
     if spec.method == "draft_model":
         from specray.models.drafters.draft_model import DraftModelDrafter
