@@ -13,8 +13,9 @@ p + j, as in specray's drafter. Step j's loss is weighted 0.8^j (SpecForge's dec
 
 Labels are the target's greedy tokens (cross-entropy to the target's argmax), kept when that
 token is in the draft vocabulary and the chunk's label mask (if any) counts it; the acceptance
-is measured over the chains whose first label counts. The draft vocabulary is the ``draft_vocab_size`` most
-frequent target tokens of the training data; draft id i is target id i + d2t[i].
+is measured over the chains whose first label counts. The draft vocabulary is the
+``draft_vocab_size`` most frequent target tokens of the training data; draft id i is target id
+i + d2t[i].
 """
 
 from __future__ import annotations
