@@ -226,6 +226,10 @@ def test_greedy_ngram_output_is_the_plain_output(plain_runs, k, page):
 def test_a_spec_factor_drafts_what_the_rule_says_and_stays_lossless(plain_runs):
     """k = 7 capped at 1.5 drafts per matched token (4-gram matches: up to 6): the engine's drafts
     and acceptances are the replay's, and the output is plain greedy's."""
+    prompts, plain = plain_runs["tiny-llama"]
+    # the cap binds on these prompts: an engine that ignored the factor would draft otherwise
+    assert any(expected_drafting(q, p, MAX_TOKENS, 7, 1, 4, 1.5) != expected_drafting(q, p, MAX_TOKENS, 7, 1, 4)
+               for q, p in zip(prompts, plain))
     lookup = dict(prompt_lookup_min=1, prompt_lookup_max=4, prompt_lookup_spec_factor=1.5)
     with LLM(config(k=7, page=32, **lookup)) as llm:
         check_run(llm, plain_runs["tiny-llama"], 7, min_n=1, max_n=4, spec_factor=1.5)
