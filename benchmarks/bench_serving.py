@@ -70,14 +70,16 @@ async def one_request(client, model: str, messages: list[dict], max_tokens: int)
 async def run_rate(url: str, model: str, chats: list, rate: float, max_tokens: int, seed: int) -> dict:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     rng = random.Random(seed)
-    tasks, start = [], time.perf_counter()
-    for chat in chats:
-        tasks.append(asyncio.create_task(one_request(client, model, chat, max_tokens)))
-        await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    wall = time.perf_counter() - start
+    # The client is closed inside the loop that used it: left to the garbage collector after
+    # asyncio.run returns, its connections' close callbacks raise "Event loop is closed".
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+        tasks, start = [], time.perf_counter()
+        for chat in chats:
+            tasks.append(asyncio.create_task(one_request(client, model, chat, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
     ttft = [r["ttft_s"] * 1e3 for r in results]
     tpot = [r["tpot_s"] * 1e3 for r in results if r["tpot_s"] == r["tpot_s"]]
     return {"rate": rate, "num_requests": len(results), "output_tok_s": sum(r["tokens"] for r in results) / wall,
@@ -93,12 +95,12 @@ def server_overhead(url: str, model: str, engine_args: list[str], chat: list[dic
     from specray import LLM, SamplingParams
     from specray.cli import build_parser, engine_config_from_args
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     served = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        client.chat.completions.create(model=model, messages=chat, max_tokens=max_tokens, temperature=0)
-        served.append(time.perf_counter() - start)
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            client.chat.completions.create(model=model, messages=chat, max_tokens=max_tokens, temperature=0)
+            served.append(time.perf_counter() - start)
     config = engine_config_from_args(build_parser().parse_args(["serve", *engine_args]))
     direct = []
     with LLM(config) as llm:

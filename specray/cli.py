@@ -56,6 +56,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allreduce", default=p.allreduce, choices=ALLREDUCE_MODES)
     g.add_argument("--timeout-s", type=float, default=p.timeout_s, help="limit of every collective and wait")
     g = parser.add_argument_group("Ray launcher")
+    g.add_argument("--ray-address", default=p.ray_address,
+                   help="Ray cluster to join (host:port, ray://..., or local); default: RAY_ADDRESS, else this "
+                        "node's `ray start` cluster if its head answers, else a new local instance")
     g.add_argument("--placement-strategy", default=p.placement_strategy, choices=PLACEMENT_STRATEGIES,
                    help="how the ranks' placement group spreads over nodes")
     g.add_argument("--placement-timeout-s", type=float, default=p.placement_timeout_s,
@@ -108,7 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         parallel=ParallelConfig(tp_size=args.tp or _torchrun_world_size(), moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
                                 launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s,
-                                placement_strategy=args.placement_strategy,
+                                placement_strategy=args.placement_strategy, ray_address=args.ray_address,
                                 placement_timeout_s=args.placement_timeout_s,
                                 failure_timeout_s=args.failure_timeout_s),
         kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,

@@ -62,6 +62,10 @@ class ParallelConfig:
     """ray: how long to wait for the placement group's resources before failing with an error."""
     failure_timeout_s: float = 30.0
     """ray: a rank whose actor dies or stops answering fails the call within this many seconds."""
+    ray_address: str | None = None
+    """ray: the cluster to join (``host:port``, ``ray://host:port``, or ``"local"`` for a new local
+    instance). None: RAY_ADDRESS, else the head in Ray's address file if it answers, else a new
+    local instance (``specray.launch.ray_connect``)."""
     runtime_env: dict | None = None
     """ray: the rank actors' runtime_env (pip, working_dir, env_vars, ...); its env_vars add to
     the driver variables every rank receives (``specray.envs.forwarded_env``)."""
@@ -93,6 +97,8 @@ class ParallelConfig:
             _require(value > 0, f"{name} ({value}) must be > 0")
         _require(self.placement_group is None or self.launcher in ("auto", "ray"),
                  f"placement_group is a Ray placement group, so launcher ({self.launcher!r}) must be 'ray' or 'auto'")
+        _require(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address.strip() != ""),
+                 f"ray_address ({self.ray_address!r}) must be a non-empty address string or None")
         env = self.runtime_env
         _require(env is None or isinstance(env, dict), f"runtime_env ({env!r}) must be a dict or None")
         env_vars = (env or {}).get("env_vars", {})

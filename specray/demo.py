@@ -41,15 +41,23 @@ def _answer(config: EngineConfig, title: str):
     return out
 
 
-def main() -> None:
+def start_ray() -> None:
+    """A local Ray instance of the demo's own: ``address="local"`` never reads the address file
+    another Ray program may have left behind. Logical CPUs: three rank actors fit on a 2-core
+    machine; a small object store (only plans and outputs cross it)."""
     import ray
 
     for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
                        ("RAY_USAGE_STATS_ENABLED", "0")):
         os.environ.setdefault(key, value)
-    # logical CPUs: three rank actors fit on a 2-core machine; a small object store (only plans
-    # and outputs cross it)
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20,
+             configure_logging=False)
+
+
+def main() -> None:
+    import ray
+
+    start_ray()
     base = EngineConfig(model="smollm2-135m", kv=KVConfig(tokens_per_block=64, capacity_tokens=4096),
                         parallel=ParallelConfig(tp_size=3, launcher="ray"))
     spec = SpecConfig(method="ngram", num_draft_tokens=5, prompt_lookup_min=2, prompt_lookup_max=4)

@@ -13,8 +13,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import pytest  # noqa: E402
 
 from checkpoints import make_checkpoint  # noqa: E402  (tests/ is on sys.path: no __init__.py)
-
-RAY_LOGICAL_CPUS = 8  # logical: lets a TP=4 placement group fit on a 2-core machine
+from session_ray import start_session_ray  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,13 +29,12 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray instance shared by every test that needs one (started once, 200 MB store)."""
+    """A local Ray instance of this session's own, shared by every test that needs one."""
     import ray  # a dependency of specray (its ray launcher), not an optional extra: never skipped
     if ray.is_initialized():
         yield ray
         return
-    ray.init(num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, object_store_memory=200 * 2**20,
-             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+    start_session_ray()
     yield ray
     ray.shutdown()
 

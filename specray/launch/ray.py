@@ -1,6 +1,6 @@
 """The ``ray`` launcher: one actor per rank, placed as ``ray_placement`` describes, on the Ray
-cluster this process is connected to (else the one ``connect_ray`` finds or starts, which
-``close`` disconnects from or shuts down again).
+cluster this process is connected to (else the one ``ray_connect.connect_ray`` joins or starts,
+which ``close`` disconnects from or shuts down again).
 
 Each actor gets the driver's forwarded variables (``specray.envs.forwarded_env``: specray's
 own, NCCL_*, GLOO_*, the thread counts) under the user's ``ParallelConfig.runtime_env``.
@@ -36,24 +36,11 @@ from specray.errors import EngineClosed
 from specray.executor.client import EngineClient
 from specray.executor.outputs import AbortRequests
 from specray.launch.procs import RankFailure
+from specray.launch.ray_connect import connect_ray
 from specray.launch.ray_health import health_reports, last_line, settle_loops
 from specray.launch.ray_placement import RankPlacement, actor_resources, place_ranks
 
 PING_FRACTION, UNRESPONSIVE_FRACTION, SETTLE_FRACTION = 1 / 8, 1 / 2, 1 / 8  # of failure_timeout_s
-
-
-def connect_ray(address: str | None = None) -> bool:
-    """Join the cluster Ray itself would join (``address``, else RAY_ADDRESS, else the one
-    ``ray start`` ran on this node); with none, start a local instance without the dashboard.
-    Returns True when a local instance was started."""
-    import ray
-    from ray._private.services import canonicalize_bootstrap_address  # Ray's own address rule
-
-    if canonicalize_bootstrap_address(address) is not None:
-        ray.init(address=address)
-        return False
-    ray.init(include_dashboard=False)
-    return True
 
 
 def actor_runtime_env(user_env: dict | None) -> dict:
@@ -73,7 +60,7 @@ class RayEngine:
         self.job_id = new_job_id()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            connect_ray()
+            connect_ray(config.parallel.ray_address)
         self._actors, self._loops, self._pg, self._owns_pg, self._closed = [], [], None, False, False
         self.placements: list[RankPlacement] = []
         self.pids: list[int] = []

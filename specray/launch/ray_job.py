@@ -11,9 +11,9 @@ what the CLI prints. ``serve`` runs the HTTP server on the job's driver (the nod
 submit`` starts it on, the head unless told otherwise) and the ranks as actors placed by Ray;
 ``ray job stop`` stops it (SIGTERM: uvicorn's graceful shutdown, then the ranks).
 
-The cluster is the one Ray itself would join: RAY_ADDRESS (``ray job submit`` sets it for the
-job), else the cluster ``ray start`` ran on this node; with neither,
-a local instance is started for the run and stopped after it.
+The cluster is ``--ray-address``, else RAY_ADDRESS (``ray job submit`` sets it for the job), else
+the cluster ``ray start`` ran on this node if its head answers; with none, a local instance is
+started for the run and stopped after it (``specray.launch.ray_connect``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from specray import cli
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    from specray.launch.ray import connect_ray
+    from specray.launch.ray_connect import connect_ray
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: ray_job runs the ranks as Ray actors; drop --launcher {args.launcher} (or pass ray)",
               file=sys.stderr)
         return cli.EXIT_USAGE
-    is_local = connect_ray()
+    is_local = connect_ray(args.ray_address)
     print(f"specray ray_job: {'started a local Ray instance' if is_local else 'connected to the Ray cluster'} "
           f"({len([n for n in ray.nodes() if n['Alive']])} nodes, {ray.cluster_resources().get('CPU', 0):g} CPUs, "
           f"{ray.cluster_resources().get('GPU', 0):g} GPUs)", flush=True)
