@@ -120,3 +120,4 @@ class LocalEngine:
         self.client.fail(EngineClosed("this engine is closed"))
         if not self._thread.is_alive() and self.core is not None:
             self.core.close()
+            self.core.worker.release()  # the memory comes back at close, not at some later gc pass

@@ -62,6 +62,13 @@ class RankWorker:
     def arch(self) -> ModelArch:
         return self.model.arch
 
+    def release(self) -> None:
+        """Drop the weights, the drafter and the pools now (the local launcher's close, where
+        the process lives on): reference cycles through this rank's state would otherwise keep
+        them, gigabytes of KV among them, until the garbage collector's next full pass."""
+        self.pools, self.draft_pools = [], []
+        self.model = self.drafter = self.spec = None
+
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
         cfg, ctx = self.config, self.ctx
