@@ -81,15 +81,16 @@ def test_without_narrowing_the_draft_pool_keeps_64(monkeypatch):
 def test_ranks_sharing_no_page_size_fail_everywhere_without_hanging(monkeypatch, launcher):
     # target 128 -> the drafters need 128 or the fallback 32; rank 0 takes only 64, rank 1 only 32.
     monkeypatch.setenv("SPECRAY_DRAFT_KERNEL_PAGE_SIZES", "0:64;1:32")
-    timeout_s = 90.0
+    timeout_s = 120.0
     start = time.monotonic()
     with pytest.raises(Exception, match=r"no draft page size works on every rank.*"
                                         r"rank 0: block_decode_attention accepts \[64\]; "
                                         r"rank 1: block_decode_attention accepts \[32\]"):
         LLM(_spec_config(2, "dflash", 128, launcher, timeout_s=timeout_s))
-    # an error broadcast by rank 0, not a wait for a collective's timeout: the bound is a third
-    # of the timeout (start-up takes a few seconds here), so a run that waited cannot pass
-    assert time.monotonic() - start < timeout_s / 3
+    # an error broadcast by rank 0, not a wait for a collective's timeout: the bound is half the
+    # timeout (start-up takes a few seconds here, 33 s once on a loaded machine), so a run that
+    # waited cannot pass
+    assert time.monotonic() - start < timeout_s / 2
 
 
 def test_eight_cpu_ranks_on_one_host_share_its_memory(monkeypatch):
