@@ -32,7 +32,7 @@ from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
 from specray.workers.barrier_waits import BarrierWaits
-from specray.workers.cpu_malloc import tune_cpu_malloc
+from specray.workers.cpu_malloc import release_cpu_malloc, tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class RankWorker:
         them, gigabytes of KV among them, until the garbage collector's next full pass."""
         self.pools, self.draft_pools = [], []
         self.model = self.drafter = self.spec = None
+        if self.ctx.device.type == "cpu":
+            release_cpu_malloc()  # what the tuned malloc kept of them (workers/cpu_malloc.py)
 
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
