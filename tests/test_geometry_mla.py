@@ -70,8 +70,9 @@ def test_mla_decode_kernel_page_sizes(kernel, accepted):
         if page in accepted:
             assert check_target_page_size(page, [rule]) == page
         else:
+            sizes = ", ".join(map(str, accepted))
             with pytest.raises(ValueError, match=rf"tokens_per_block {page} is not accepted by the target kernel "
-                                                 rf"{kernel} on rank 0, which accepts \[{', '.join(map(str, accepted))}\]"):
+                                                 rf"{kernel} on rank 0, which accepts \[{sizes}\]"):
                 check_target_page_size(page, [rule])
 
 

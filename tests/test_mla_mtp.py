@@ -82,9 +82,12 @@ def _reference_layer(w: dict, hf_target, prefix: str):
         if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "mlp.experts.")):
             state[f"mtp_block.{k}"] = t
     if experts:  # transformers holds the experts as 3-d tensors
+        def expert(e: int, name: str) -> torch.Tensor:
+            return own[f"mlp.experts.{e}.{name}.weight"]
+
         state["mtp_block.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([own[f"mlp.experts.{e}.gate_proj.weight"], own[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
-        state["mtp_block.mlp.experts.down_proj"] = torch.stack([own[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+            [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in experts])
+        state["mtp_block.mlp.experts.down_proj"] = torch.stack([expert(e, "down_proj") for e in experts])
     layer.load_state_dict(state)
     norm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     norm.weight.data.copy_(own["shared_head.norm.weight"])

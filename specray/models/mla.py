@@ -42,7 +42,8 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch
-from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, _attend_fresh, _attend_gathered, step_plan
+from specray.models.attention import (PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, _attend_fresh, _attend_gathered,
+                                      step_plan)
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, apply_rope,
                                    linear)
 from specray.models.mla_arch import YarnRope
@@ -105,7 +106,9 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_size: int, out_size: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_size, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
