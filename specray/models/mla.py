@@ -42,8 +42,7 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch
-from specray.models.attention import (PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, _attend_fresh, _attend_gathered,
-                                      step_plan)
+from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, _attend_fresh, step_plan
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, apply_rope,
                                    linear)
 from specray.models.mla_arch import YarnRope
@@ -125,6 +124,26 @@ def write_latent(pool: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.T
     pool[slot_mapping // block_size, 0, 0, slot_mapping % block_size] = latent
 
 
+def attend_latent(q: torch.Tensor, rows: torch.Tensor, plan, scale: float, rank: int) -> torch.Tensor:
+    """Multi-query attention over latent rows: q [N, heads, rank + rope] (absorbed), rows
+    [blocks, tokens_per_block, rank + rope] (one pool layer); returns [N, heads, rank], the
+    probabilities times each row's c part. The pages are gathered once (the row is the key and,
+    its first ``rank`` values, the value), then every head of every query is a row of one matmul."""
+    num_seqs, n, heads = plan.hidden.shape[0], plan.n, q.shape[1]
+    keys = rows.index_select(0, plan.index).view(num_seqs, -1, rows.shape[-1])  # [S, pages * B, rank + rope]
+    if plan.padded is None:
+        qp = q.view(num_seqs, n * heads, -1)
+    else:
+        qp = q.new_zeros(num_seqs, n, heads, q.shape[-1])
+        qp[plan.padded] = q
+        qp = qp.view(num_seqs, n * heads, -1)
+    scores = torch.matmul(qp, keys.transpose(1, 2)).view(num_seqs, n, heads, -1)
+    scores = scores.float().mul_(scale).masked_fill_(plan.hidden[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(keys.dtype).view(num_seqs, n * heads, -1)
+    o = torch.matmul(probs, keys[..., :rank]).view(num_seqs, n, heads, rank)
+    return o.reshape(-1, heads, rank) if plan.padded is None else o[plan.padded]
+
+
 class MLAttention(nn.Module):
     def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
         super().__init__()
@@ -181,8 +200,8 @@ class MLAttention(nn.Module):
         m, heads = self.mla, self.num_local_heads
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :m.qk_nope_head_dim])
-        o_latent = _attend_gathered(torch.cat([q_latent, q_rot], dim=-1), both, plan, self.scale)
-        return torch.einsum("nhr,hvr->nhv", o_latent[..., :m.kv_lora_rank], w[:, m.qk_nope_head_dim:])
+        o_latent = attend_latent(torch.cat([q_latent, q_rot], dim=-1), both[:, 0, 0], plan, self.scale, m.kv_lora_rank)
+        return torch.einsum("nhr,hvr->nhv", o_latent, w[:, m.qk_nope_head_dim:])
 
     def load(self, reader, prefix: str) -> None:
         if self.mla.q_lora_rank is None:
