@@ -78,3 +78,17 @@ def test_mapping_errors_come_before_any_rank(tmp_path, overrides, tp, moe_ep, me
     parallel = ParallelConfig(tp_size=tp, moe_tp_size=1, moe_ep_size=moe_ep, launcher="mp")
     with pytest.raises(ValueError, match=message):
         LLM(EngineConfig(model=model, kv=KVConfig(capacity_tokens=64), parallel=parallel))
+
+
+def test_grouped_topk_keeps_only_the_best_groups():
+    # 8 experts in 4 groups of 2; group scores (top-2 sums): g0 0.3, g1 1.7, g2 1.1, g3 0.9 -> g1, g2 kept
+    import torch
+
+    from specray.models.moe import grouped_topk
+
+    scores = torch.tensor([[0.1, 0.2, 0.9, 0.8, 0.5, 0.6, 0.95, -0.05]])
+    bias = torch.zeros(8)
+    assert sorted(grouped_topk(scores, bias, 4, 2, 2)[0].tolist()) == [2, 3]  # expert 6 (0.95) is in group 3
+    assert sorted(grouped_topk(scores, bias, 4, 4, 2)[0].tolist()) == [2, 6]  # all groups kept
+    bias[5] = 0.5  # the bias moves the choice: group 2 now sums 1.6 and expert 5 scores 1.1
+    assert sorted(grouped_topk(scores, bias, 4, 2, 2)[0].tolist()) == [2, 5]

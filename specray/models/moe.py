@@ -85,6 +85,8 @@ def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     each of ``n_group`` equal groups is scored by the sum of its top-2 choice scores, the best
     ``topk_group`` groups are kept, and the top_k experts are chosen from those."""
     choice = scores + bias
+    if topk_group == n_group:  # every group kept (Kimi-K2: one group): the mask would change nothing
+        return torch.topk(choice, top_k, dim=-1, sorted=False)[1]
     n, num_experts = choice.shape
     group_scores = choice.view(n, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
     kept = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1], 1)
