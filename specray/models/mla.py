@@ -199,9 +199,10 @@ class MLAttention(nn.Module):
         """Cached rows (decode, verify): attention over the latent rows with kv_b_proj absorbed."""
         m, heads = self.mla, self.num_local_heads
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :m.qk_nope_head_dim])
+        # per-head matmuls as bmm over the head dimension (einsum spends ~30 us a call parsing at these sizes)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :m.qk_nope_head_dim]).transpose(0, 1)
         o_latent = attend_latent(torch.cat([q_latent, q_rot], dim=-1), both[:, 0, 0], plan, self.scale, m.kv_lora_rank)
-        return torch.einsum("nhr,hvr->nhv", o_latent, w[:, m.qk_nope_head_dim:])
+        return torch.bmm(o_latent.transpose(0, 1), w[:, m.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
 
     def load(self, reader, prefix: str) -> None:
         if self.mla.q_lora_rank is None:
