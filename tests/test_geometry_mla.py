@@ -110,3 +110,58 @@ def test_64_token_mla_target_keeps_64_for_dspark():
     geometry = decide([_report(r, "flashmla") for r in range(4)], KVConfig(tokens_per_block=64), "dspark",
                       "bfloat16")
     assert (geometry["target"].tokens_per_block, geometry["draft"].tokens_per_block) == (64, 64)
+
+
+# ---- the same rules through the real agreement: ranks report a named MLA kernel (SPECRAY_MLA_KERNEL)
+
+
+@pytest.fixture(scope="module")
+def mla_pair(tmp_path_factory):
+    from checkpoints import make_checkpoint
+    from drafter_checkpoints import write_dspark
+
+    root = tmp_path_factory.mktemp("mla-dspark")
+    target = make_checkpoint("deepseek_v3", root / "target", seed=5)
+    return target, write_dspark(root / "dspark", target)
+
+
+def _engine(pair, page: int, tp: int = 2):
+    """TP 2 (EP 2) under mp with the DSpark drafter: the page rule is agreed between real ranks."""
+    from specray import EngineConfig, ParallelConfig, SpecConfig
+
+    target, drafter = pair
+    return EngineConfig(model=str(target), kv=KVConfig(tokens_per_block=page, capacity_tokens=1024),
+                        parallel=ParallelConfig(tp_size=tp, moe_ep_size=tp, launcher="mp", timeout_s=60.0),
+                        spec=SpecConfig(method="dspark", draft_model=str(drafter), num_draft_tokens=3))
+
+
+def test_seed_case_across_ranks_fp4_mla_at_128_gives_dspark_32(monkeypatch, mla_pair):
+    from specray import LLM, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(EngineConfig(model=str(mla_pair[0]), kv=KVConfig(capacity_tokens=1024))) as llm:  # plain, one rank
+        expected = [o.token_ids for o in llm.generate([list(range(1, 60))], params)]
+    monkeypatch.setenv("SPECRAY_MLA_KERNEL", "fp4_mla")
+    with LLM(_engine(mla_pair, 128)) as llm:
+        geometry = llm.geometry
+        out = [o.token_ids for o in llm.generate([list(range(1, 60))], params)]
+    assert (geometry["target"].kind, geometry["target"].tokens_per_block) == ("latent", 128)
+    assert (geometry["draft"].kind, geometry["draft"].tokens_per_block) == ("kv", 32)
+    assert out == expected
+
+
+def test_64_token_trtllm_gen_mla_target_keeps_64_for_the_drafter(monkeypatch, mla_pair):
+    from specray import LLM
+
+    monkeypatch.setenv("SPECRAY_MLA_KERNEL", "trtllm_gen_mla")
+    with LLM(_engine(mla_pair, 64)) as llm:
+        assert (llm.geometry["target"].tokens_per_block, llm.geometry["draft"].tokens_per_block) == (64, 64)
+
+
+def test_a_rank_whose_mla_kernel_rejects_the_page_fails_every_rank_naming_it(monkeypatch, mla_pair):
+    from specray import LLM
+
+    monkeypatch.setenv("SPECRAY_MLA_KERNEL", "1:trtllm_gen_mla")  # rank 0 keeps the CPU rule
+    with pytest.raises(Exception, match=r"tokens_per_block 128 is not accepted by the target kernel trtllm_gen_mla "
+                                        r"on rank 1, which accepts \[32, 64\]"):
+        LLM(_engine(mla_pair, 128))

@@ -63,6 +63,14 @@ MLA_DECODE_KERNELS: dict[str, frozenset[int]] = {
 }
 
 
+def mla_kernel_rule(name: str) -> dict[str, frozenset[int]]:
+    """The capability a rank reports for the named MLA decode kernel (``SPECRAY_MLA_KERNEL``)."""
+    if name not in MLA_DECODE_KERNELS:
+        raise ValueError(f"SPECRAY_MLA_KERNEL={name!r} is not an MLA decode kernel; known: "
+                         f"{sorted(MLA_DECODE_KERNELS)}")
+    return {name: MLA_DECODE_KERNELS[name]}
+
+
 def yarn_inv_freq(yarn: YarnRope, dim: int, theta: float) -> torch.Tensor:
     """YaRN's blend of interpolated and extrapolated frequencies (transformers'
     ``_compute_yarn_parameters``, the same float32 expressions)."""

@@ -30,6 +30,7 @@ from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
+from specray.models.mla import mla_kernel_rule
 from specray.models.presets import resolve_model
 from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import tune_cpu_malloc
@@ -96,8 +97,15 @@ class RankWorker:
                                  f"{layout.num_kv_heads} of {layout.head_dim}")
             layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
         budget = rank_kv_budget_bytes(fraction, cfg.kv, ctx.device, ctx.num_ranks_on_host)
+        target_kernels = self.model.kernel_page_sizes
+        mla_kernel = rank_value("SPECRAY_MLA_KERNEL", ctx.rank)
+        if mla_kernel:  # a named MLA decode kernel's page rule (the CPU path computes either way)
+            if arch.mla is None:
+                raise ValueError(f"SPECRAY_MLA_KERNEL={mla_kernel!r} names an MLA decode kernel, and "
+                                 f"{arch.architecture} has no MLA layers")
+            target_kernels = mla_kernel_rule(mla_kernel)
         return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
-                          target_kernels=self.model.kernel_page_sizes,
+                          target_kernels=target_kernels,
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
 
     @property
