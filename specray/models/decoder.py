@@ -1,7 +1,7 @@
 """The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 /
 Kimi-K2). A layer is assembled from parts the architecture record names: its token mixer
-(``Attention`` here, or ``MLAttention`` in mla.py) and its MLP (dense, ``MoE``, or
-``DeepSeekMoE`` in deepseek_moe.py).
+(``Attention`` here, or ``MLAttention`` in mla.py) and its MLP (dense here, ``MoE`` or
+``DeepSeekMoE`` in moe.py). Their sharding tables are in those files.
 
 Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
 
@@ -11,8 +11,9 @@ Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
 | self_attn.qkv            | q heads over tp; kv heads over tp or replicated    | -                       |
 | self_attn.o_proj         | input columns (heads) over tp                      | all_reduce (tp)         |
 | mlp.gate_up / down       | intermediate over tp                               | all_reduce (tp)         |
+| self_attn (MLA)          | q_b/kv_b by head, latent projections replicated    | all_reduce (tp), mla.py |
 | moe experts              | contiguous expert groups over moe_ep; each         | one all_reduce (tp)     |
-|                          | expert's intermediate over moe_tp                  | sums both splits        |
+|                          | expert's intermediate over moe_tp (moe.py)         | sums both splits        |
 | moe router (gate)        | replicated                                         | -                       |
 | norms                    | replicated                                         | -                       |
 | lm_head                  | vocab rows over tp                                 | all_gather (tp)         |
