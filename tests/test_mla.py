@@ -139,3 +139,20 @@ def test_sharded_greedy_matches_transformers(cases, shape, tp, moe_tp, moe_ep):
     assert [o.token_ids for o in outs] == expected[:3]
     # the latent is not split by heads: every rank holds the whole row (40 = 32 + 8), as at TP 1
     assert (geometry.kind, geometry.num_kv_heads, geometry.head_dim) == ("latent", 1, 40)
+
+
+def test_bfloat16_runs_with_a_float32_router_and_a_bfloat16_latent_pool(mla_case):
+    # regression: interleaved RoPE returned float32 rows that a bfloat16 pool refused
+    _, directory, prompts, _, _ = mla_case
+    from specray.comm.context import DistContext
+    from specray.models.loader import load_model
+
+    model = load_model(directory, DistContext.single("cpu"), "bfloat16")
+    router = model.layers[1].mlp
+    assert router.gate.dtype == router.score_bias.dtype == torch.float32  # routing in float32, as transformers
+    assert model.layers[1].mlp.w_gate_up.dtype == torch.bfloat16
+    with LLM(EngineConfig(model=str(directory), dtype="bfloat16", kv=KVConfig(capacity_tokens=1024))) as llm:
+        out = llm.generate([prompts[1]], SamplingParams(max_tokens=16))[0]
+        geometry = llm.geometry["target"]
+    assert geometry.dtype == "bfloat16" and geometry.block_bytes == 3 * 16 * 40 * 2
+    assert len(out.token_ids) == 16

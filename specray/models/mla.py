@@ -102,7 +102,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """x: [N, heads, dim] with pairs (x0, x1), (x2, x3), ... each rotated by one frequency; the
     output is de-interleaved ([rotated evens | rotated odds]), exactly as transformers' output."""
     half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
+    c, s = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)  # as transformers casts them
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
