@@ -22,14 +22,15 @@ from specray.workers.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import rank_kv_budget_bytes
-from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
+from specray.kv.geometry import PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch
-from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
+from specray.models.attention import build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
+from specray.models.mla import mla_kernel_rule
 from specray.models.presets import resolve_model
 from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import release_cpu_malloc, tune_cpu_malloc
@@ -89,7 +90,7 @@ class RankWorker:
         """What this rank tells rank 0: its KV budget, kernels' page sizes and KV layouts."""
         cfg, ctx, arch = self.config, self.ctx, self.arch
         fraction = float(rank_value("SPECRAY_KV_MEMORY_FRACTION", ctx.rank) or cfg.kv.memory_fraction)
-        layout = KVLayout(arch.num_layers, self.model.num_local_kv_heads, arch.head_dim)
+        layout = self.model.kv_layout  # kind kv (K and V per kv head) or latent (MLA: one row per token)
         draft_layout, draft_kernels = None, {}
         if self.drafter is not None and self.drafter.is_standalone:
             draft_layout = self.drafter.kv_layout
@@ -99,14 +100,21 @@ class RankWorker:
         elif self.drafter is not None and self.drafter.kv_layout is not None:
             # one-model drafter: its layers live in the target pool (a pool-less one adds nothing)
             own = self.drafter.kv_layout
-            if (own.num_kv_heads, own.head_dim) != (layout.num_kv_heads, layout.head_dim):
-                raise ValueError(f"{cfg.spec.method} layers need {own.num_kv_heads} kv heads of {own.head_dim} "
-                                 f"per rank to share the target pool, which has {layout.num_kv_heads} of "
-                                 f"{layout.head_dim}")
+            if (own.kind, own.num_kv_heads, own.head_dim) != (layout.kind, layout.num_kv_heads, layout.head_dim):
+                raise ValueError(f"{cfg.spec.method} layers need a {own.kind} pool of {own.num_kv_heads} kv heads of "
+                                 f"{own.head_dim} per rank to share the target pool, which is {layout.kind} with "
+                                 f"{layout.num_kv_heads} of {layout.head_dim}")
             layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
         budget = rank_kv_budget_bytes(fraction, cfg.kv, ctx.device, ctx.num_ranks_on_host)
+        target_kernels = self.model.kernel_page_sizes
+        mla_kernel = rank_value("SPECRAY_MLA_KERNEL", ctx.rank)
+        if mla_kernel:  # a named MLA decode kernel's page rule (the CPU path computes either way)
+            if arch.mla is None:
+                raise ValueError(f"SPECRAY_MLA_KERNEL={mla_kernel!r} names an MLA decode kernel, and "
+                                 f"{arch.architecture} has no MLA layers")
+            target_kernels = mla_kernel_rule(mla_kernel)
         return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
-                          target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
+                          target_kernels=target_kernels,
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
 
     @property
