@@ -163,13 +163,17 @@ class EngineClient:
 
 def collect(index: int, stream: RequestStream, next_delta: Callable[[RequestStream], RequestDelta]) -> RequestOutput:
     """Read a stream to its last delta and build the request's ``RequestOutput``."""
-    prompt, tokens, text = [], [], []
+    prompt, tokens, text, logprobs, prompt_logprobs = [], [], [], None, None
     while True:
         delta = next_delta(stream)
         if delta.prompt_token_ids is not None:
             prompt = delta.prompt_token_ids
         tokens += delta.new_token_ids
         text.append(delta.new_text)
+        if delta.new_logprobs is not None:
+            logprobs = (logprobs or []) + delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs = delta.prompt_logprobs
         if delta.is_finished:
             return RequestOutput(index, prompt, tokens, delta.finish_reason, delta.metrics or {}, "".join(text),
-                                 delta.stop_reason)
+                                 delta.stop_reason, logprobs, prompt_logprobs)

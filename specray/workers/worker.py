@@ -16,6 +16,7 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
+from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, token_logprobs
 from specray.workers.plan import StepPlan
 from specray.workers.sampling import sample_rows
 from specray.workers.spec_step import SpecRunner
@@ -52,6 +53,8 @@ class RankWorker:
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
+        self.step_logprobs: list[list[TokenLogprob] | None] | None = None  # per row of the last step
+        self.step_prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # per sequence of the last step
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
         step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
@@ -143,9 +146,23 @@ class RankWorker:
                                      "(steps, token digest) at the end of the generate call")
         return tokens
 
+    def num_top(self, sid: int, prompt: bool = False) -> int | None:
+        """How many top log-probabilities sequence ``sid`` asked for (None: none at all)."""
+        params = self.samplers[sid][0]
+        return params.prompt_logprobs if prompt else params.logprobs
+
+    def output_logprobs(self, seq_ids: list[int], rows: list, tokens: list[list[int]]) -> list | None:
+        """Per sequence, the log-probabilities of its new tokens (row j of ``rows[i]`` predicts
+        ``tokens[i][j]``), or None when no sequence of the step asked: then nothing is computed."""
+        wanted = [self.num_top(sid) for sid in seq_ids]
+        if all(n is None for n in wanted):
+            return None
+        return [None if n is None else token_logprobs(r, t, n) for n, r, t in zip(wanted, rows, tokens)]
+
     @torch.inference_mode()
     def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
         self._apply_deltas(plan)
+        self.step_logprobs, self.step_prompt_logprobs = None, {}
         if self.spec is not None:
             return self.spec.execute(plan)
         if not plan.seq_ids:
@@ -156,7 +173,11 @@ class RankWorker:
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
+        self.step_prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden, plan, query_lens, {sid: self.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
             hidden = hidden[last_rows(query_lens, hidden.device)]
         logits = self.model.logits(hidden)
-        return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
+        tokens = sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
+        self.step_logprobs = self.output_logprobs(plan.seq_ids, logits[:, None], [[t] for t in tokens])
+        return tokens
