@@ -270,6 +270,8 @@ class SamplingParams:
                      f"{name} ({value!r}) must be None or an integer in [0, {MAX_LOGPROBS}]")
         _require(self.structured is None or isinstance(self.structured, StructuredOutput),
                  f"structured ({self.structured!r}) must be None or a StructuredOutput")
+        _require(self.structured is None or not self.ignore_eos,
+                 "ignore_eos cannot go with structured output: the grammar ends the text with a stop token")
         _require(math.isfinite(self.temperature) and self.temperature >= 0,
                  f"temperature ({self.temperature}) must be >= 0 (0 means greedy)")
         _require(self.top_k >= 0, f"top_k ({self.top_k}) must be >= 0 (0 disables it)")

@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from specray.errors import GrammarError
 from specray.executor.outputs import AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput
 
 
@@ -55,6 +56,8 @@ class RequestStream:
 
 def rejection(error_type: str, message: str) -> Exception:
     """A rejected add as the caller sees it: bad input stays a ValueError."""
+    if error_type == "GrammarError":
+        return GrammarError(message)
     return ValueError(message) if error_type in ("ValueError", "ConfigError") else RuntimeError(
         f"rank 0 rejected the request: {error_type}: {message}")
 

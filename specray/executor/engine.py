@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
+from specray.errors import GrammarError
 from specray.executor import spec_metrics
 from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
 from specray.executor.scheduler import Scheduler, Sequence
@@ -126,6 +127,12 @@ class EngineCore:
                                  f"{self.config.model!r} has none; use stop_token_ids")
         validate_requests(encoded, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
                           arch.max_position_embeddings, labels)
+        for label, p in zip(labels, params):  # compiled here, once per distinct spec; the ranks reuse it
+            if p.structured is not None:
+                try:
+                    self.worker.grammars.compile(p.structured)
+                except GrammarError as err:
+                    raise GrammarError(f"request {label}: {err}") from None
         for rid, ids_, p, prompt in zip(ids, encoded, params, prompts):
             request = LiveRequest(rid, self._sequence(ids_, p, isinstance(prompt, ChatPrompt)))
             self.live[rid] = self._by_seq[request.seq.seq_id] = request
@@ -207,7 +214,7 @@ class EngineCore:
     def _sequence(self, prompt: list[int], params: SamplingParams, is_chat: bool) -> Sequence:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = self.worker.arch.eos_token_ids
-        if is_chat:  # a chat answer also ends at the template's end-of-turn token
+        if is_chat or params.structured is not None:  # a chat answer (or a grammar's text) also ends at end of turn
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.end_of_turn_ids)))
         text = RequestText(self.tokenizer, prompt, params) if self.tokenizer is not None else None
         seq = Sequence(self._seq_ids, list(prompt), len(prompt), params, seed, eos, text=text)

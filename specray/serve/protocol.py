@@ -21,6 +21,7 @@ from specray.config import MAX_LOGPROBS, SamplingParams
 from specray.executor.text import ChatPrompt, Prompt
 from specray.serve.errors import BadRequest
 from specray.serve.fields import check_fields, check_message_fields
+from specray.serve.structured import ResponseFormat, StructuredOutputs
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's own default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no fixed API default (OpenAI: up to the context); a bounded answer
@@ -51,6 +52,8 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -59,6 +62,16 @@ class _SamplingRequest(BaseModel):
         if any(not s for s in strings):
             raise ValueError("stop strings must be non-empty")
         return stop
+
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured(self):
+        source = self.structured_outputs or self.response_format
+        return source.structured() if source is not None else None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -89,7 +102,8 @@ class _SamplingRequest(BaseModel):
         return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                top_k=max(self.top_k, 0), seed=seed, stop=stop,
                                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                               skip_special_tokens=self.skip_special_tokens, **self._logprob_params())
+                               skip_special_tokens=self.skip_special_tokens, structured=self.structured(),
+                               **self._logprob_params())
                 for seed in seeds]
 
 

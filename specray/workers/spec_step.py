@@ -154,6 +154,17 @@ class SpecRunner:
         return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
 
     def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
+        grammars = self.worker.grammars
+        if sid not in grammars.seqs:
+            return self._verify_rows(sid, logits, drafts, q)
+        # a constrained row: verify the drafts the grammar allows against masked logits
+        masked, num_allowed = grammars.mask_verify_rows(sid, logits, drafts)
+        new = self._verify_rows(sid, masked[:num_allowed + 1], drafts[:num_allowed],
+                                None if q is None else q[:num_allowed])
+        grammars.settle(sid, new)
+        return new
+
+    def _verify_rows(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
         params, gen = self.worker.samplers[sid]
         if not drafts:
             return [sample(logits[0], params, gen)]

@@ -16,6 +16,7 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
+from specray.workers.grammar import Grammars
 from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, token_logprobs
 from specray.workers.plan import StepPlan
 from specray.workers.sampling import sample_rows
@@ -31,7 +32,8 @@ from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
-from specray.models.presets import resolve_model
+from specray.models.presets import is_preset, resolve_model
+from specray.models.tokenizer import load_tokenizer
 from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
@@ -52,6 +54,7 @@ class RankWorker:
         self.geometry: dict[str, PoolGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.grammars = Grammars(self._tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
         self.step_logprobs: list[list[TokenLogprob] | None] | None = None  # per row of the last step
         self.step_prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # per sequence of the last step
@@ -64,6 +67,14 @@ class RankWorker:
     @property
     def arch(self) -> ModelArch:
         return self.model.arch
+
+    def _tokenizer(self):
+        """The model's tokenizer (for grammars), or None when it has none."""
+        try:
+            return load_tokenizer(resolve_model(self.config.model, self.config.seed),
+                                  is_byte_level=is_preset(self.config.model))
+        except ValueError:
+            return None
 
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
@@ -113,11 +124,14 @@ class RankWorker:
         for sid in plan.finished:
             self.block_tables.pop(sid, None)
             self.samplers.pop(sid, None)
+            self.grammars.drop(sid)
         for sid in plan.preempted:
             self.block_tables[sid] = []
         for sid, (params, seed) in plan.new_seqs.items():
             gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
             self.samplers[sid] = (params, gen)
+            if params.structured is not None:
+                self.grammars.add(sid, params.structured)
         for sid, (num_blocks, _) in plan.truncated.items():  # rollback of rejected drafts
             del self.block_tables.setdefault(sid, [])[num_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_blocks):
@@ -178,6 +192,9 @@ class RankWorker:
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
             hidden = hidden[last_rows(query_lens, hidden.device)]
         logits = self.model.logits(hidden)
-        tokens = sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
+        tokens = sample_rows(self.grammars.masked(plan.seq_ids, logits), [self.samplers[sid] for sid in plan.seq_ids])
+        if self.grammars.seqs:
+            for sid, token in zip(plan.seq_ids, tokens):
+                self.grammars.accept(sid, token)
         self.step_logprobs = self.output_logprobs(plan.seq_ids, logits[:, None], [[t] for t in tokens])
         return tokens
