@@ -1,8 +1,10 @@
-"""Log-probabilities and refused fields through the real ``openai`` client against `specray serve`:
+"""The OpenAI fields clients depend on, through the real ``openai`` client against `specray serve`:
 completions ``logprobs`` (streamed and not) and ``echo`` with ``max_tokens`` 0 on tiny-llama, chat
 ``logprobs``/``top_logprobs`` (streamed and not) on SmolLM2 served with n-gram speculation, every
 value equal to transformers' log_softmax of the same checkpoint at the same position; every field
-of the unsupported list is a 400 naming it and the server stays healthy.
+of the unsupported list is a 400 naming it and the server stays healthy; structured output
+(``response_format``, ``structured_outputs``) on the same speculative server, a 400 saying why for
+a spec that does not compile.
 
 Tolerances: tiny-llama 1e-4 (float32 both sides, a few ulp per fused op: test_logprobs.py);
 SmolLM2 1e-3 (30 layers of the same rounding differences, test_smollm2.py's bound on its logits).
@@ -11,9 +13,14 @@ The expected tokens are transformers' greedy ones: specray's greedy output equal
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 import torch
+from json_schemas import SCHEMAS
 from serve_server import start_server, stop_server
 from test_serve_app import CHANGING
 
@@ -161,3 +168,52 @@ def test_chat_logprobs_under_ngram_speculation_equal_transformers(smol, smol_ref
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     m = smol.metrics()
     assert m[("specray:spec_decode_num_accepted_tokens_total", ())] >= 16  # most tokens came from verify rows
+
+
+def test_response_format_json_on_chat_and_completions(smol):
+    client = smol.client()
+    chat = client.chat.completions.create(model="smollm2-135m", max_tokens=120, temperature=0,
+                                          messages=[{"role": "user", "content": "Give the name of a cat as JSON."}],
+                                          response_format={"type": "json_object"})
+    assert chat.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    question, schema = SCHEMAS[4]  # nested objects with bounded integers
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": schema, "strict": True}}
+    chat = client.chat.completions.create(model="smollm2-135m", max_tokens=120, temperature=0,
+                                          messages=[{"role": "user", "content": question}], response_format=fmt)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model="smollm2-135m", max_tokens=120, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": question}], response_format=fmt)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    done = client.completions.create(model="smollm2-135m", prompt="A person as JSON:", max_tokens=80, temperature=0,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"name": "p", "schema": SCHEMAS[0][1]}}})
+    jsonschema.validate(json.loads(done.choices[0].text), SCHEMAS[0][1])
+
+
+def test_structured_outputs_choice_regex_and_grammar(smol):
+    client = smol.client()
+
+    def ask(constraint: dict, question: str = "Is the sky blue?") -> str:
+        return client.chat.completions.create(model="smollm2-135m", max_tokens=20, temperature=0,
+                                              messages=[{"role": "user", "content": question}],
+                                              extra_body={"structured_outputs": constraint}).choices[0].message.content
+
+    assert ask({"choice": ["yes", "no"]}) in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", ask({"regex": r"[0-9]{3}-[0-9]{4}"}, "Give a phone number."))
+    assert ask({"grammar": 'root ::= "colour: " ("red" | "blue")'}) in ("colour: red", "colour: blue")
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "Unsupported type"),
+    ({"structured_outputs": {"regex": "a("}}, "parenthesis is not closed"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "is not defined"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"response_format": {"type": "xml"}}, "must be 'text'"),
+])
+def test_an_uncompilable_spec_is_a_400_that_says_why(smol, body, reason):
+    with pytest.raises(openai.BadRequestError, match=reason):
+        smol.client().chat.completions.create(model="smollm2-135m", max_tokens=4,
+                                              messages=[{"role": "user", "content": "hi"}], extra_body=body)
+    assert smol.health() == 200
