@@ -41,6 +41,24 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> lis
     return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
+def rows_logprobs(rows: list, tokens: list[list[int]], num_tops: list[int | None]) -> list | None:
+    """Per sequence, the TokenLogprobs of its new tokens (row j of ``rows[i]`` predicts
+    ``tokens[i][j]``) with its own number of top entries, or None where it asked for none; None
+    overall when none asked (nothing computed). One batched log-softmax over every asked row."""
+    asked = [i for i, n in enumerate(num_tops) if n is not None]
+    if not asked:
+        return None
+    flat = token_logprobs(torch.cat([rows[i][:len(tokens[i])] for i in asked]),
+                          [t for i in asked for t in tokens[i]], max(num_tops[i] for i in asked))
+    out: list = [None] * len(num_tops)
+    start = 0
+    for i in asked:
+        n, end = num_tops[i], start + len(tokens[i])
+        out[i] = [TokenLogprob(e.token_id, e.logprob, e.top[:n]) for e in flat[start:end]]
+        start = end
+    return out
+
+
 def prompt_rows(plan, query_lens: list[int]) -> tuple[list[int], dict[int, tuple[slice, list[int]]]]:
     """The hidden rows whose logits the prompt log-probabilities of this step need, and per
     sequence (slice into those rows' logits, the tokens they predict).

@@ -17,7 +17,7 @@ import torch
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
 from specray.workers.grammar import Grammars
-from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, token_logprobs
+from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, rows_logprobs
 from specray.workers.plan import StepPlan
 from specray.workers.sampling import sample_rows
 from specray.workers.spec_step import SpecRunner
@@ -168,10 +168,7 @@ class RankWorker:
     def output_logprobs(self, seq_ids: list[int], rows: list, tokens: list[list[int]]) -> list | None:
         """Per sequence, the log-probabilities of its new tokens (row j of ``rows[i]`` predicts
         ``tokens[i][j]``), or None when no sequence of the step asked: then nothing is computed."""
-        wanted = [self.num_top(sid) for sid in seq_ids]
-        if all(n is None for n in wanted):
-            return None
-        return [None if n is None else token_logprobs(r, t, n) for n, r, t in zip(wanted, rows, tokens)]
+        return rows_logprobs(rows, tokens, [self.num_top(sid) for sid in seq_ids])
 
     @torch.inference_mode()
     def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
