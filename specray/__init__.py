@@ -7,6 +7,7 @@ from specray.executor.outputs import EngineStats, RequestDelta, RequestOutput
 from specray.launch.procs import RankFailure
 from specray.llm import LLM
 
-__all__ = ["LLM", "AsyncLLM", "RequestDelta", "EngineStats", "EngineConfig", "ParallelConfig", "KVConfig", "SpecConfig", "SamplingParams", "StructuredOutput", "RequestOutput",
-           "SpecrayError", "ConfigError", "EngineClosed", "RankFailure"]
+__all__ = ["LLM", "AsyncLLM", "RequestDelta", "EngineStats", "EngineConfig", "ParallelConfig", "KVConfig", "SpecConfig",
+           "SamplingParams", "StructuredOutput", "RequestOutput", "SpecrayError", "ConfigError", "EngineClosed",
+           "RankFailure"]
 __version__ = "0.1.0"
