@@ -12,7 +12,8 @@ Rows, each the same chat requests (``--batch`` copies of a few questions):
 
 Columns: ``tpot ms`` (median over requests of the engine's own time per output token after the
 first), ``grammar ms/tok`` (wall time inside rank 0's mask and matcher calls, timed by wrapping
-``Grammars``' methods, per output token of the constrained requests), ``tok/s`` (output tokens
+``Grammars``' methods, per output token), ``logprobs ms/tok`` (likewise inside
+``RankWorker.output_logprobs``; it returns at once when no request asked), ``tok/s`` (output tokens
 over the generate call's wall time, prefill included), and ``vs plain`` (tpot over plain's at the
 same batch). Each row is the fastest of ``--rounds`` alternating rounds; the machine may be
 shared (the load average is recorded), so this is a measurement of the order of the cost, not a
@@ -32,6 +33,7 @@ from pathlib import Path
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, StructuredOutput
 from specray.executor.text import ChatPrompt
 from specray.workers.grammar import Grammars
+from specray.workers.worker import RankWorker
 
 QUESTIONS = ["List three people as JSON.", "Give me three employees as JSON.", "Three characters of a story, as JSON."]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -39,32 +41,37 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 SCHEMA = {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}
 COLUMNS = [("batch", "batch", "d"), ("mode", "mode", "s"), ("tokens", "tokens", "d"), ("tpot_ms", "tpot ms", ".2f"),
-           ("grammar_ms_per_token", "grammar ms/tok", ".3f"), ("tok_s", "tok/s", ".1f"), ("vs_plain", "vs plain", ".3f")]
+           ("grammar_ms_per_token", "grammar ms/tok", ".3f"), ("logprobs_ms_per_token", "logprobs ms/tok", ".3f"), ("tok_s", "tok/s", ".1f"), ("vs_plain", "vs plain", ".3f")]
 
 
-class GrammarTimer:
-    """Accumulates the wall time of the Grammars calls made on the step path (benchmark only)."""
+class StepTimer:
+    """Accumulates the wall time of rank 0's grammar calls and of its log-probability computation
+    on the step path, by wrapping the methods (benchmark only)."""
+
+    TIMED = {"grammar": (Grammars, ("masked", "accept", "mask_verify_rows", "settle")),
+             "logprobs": (RankWorker, ("output_logprobs",))}
 
     def __init__(self):
-        self.seconds = 0.0
-        self._originals = {}
+        self.seconds = dict.fromkeys(self.TIMED, 0.0)
+        self._originals = []
 
     def install(self) -> None:
-        for name in ("masked", "accept", "mask_verify_rows", "settle"):
-            original = getattr(Grammars, name)
-            self._originals[name] = original
+        for what, (cls, names) in self.TIMED.items():
+            for name in names:
+                original = getattr(cls, name)
+                self._originals.append((cls, name, original))
 
-            def timed(*args, _original=original, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - start
-            setattr(Grammars, name, timed)
+                def timed(*args, _original=original, _what=what, **kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return _original(*args, **kwargs)
+                    finally:
+                        self.seconds[_what] += time.perf_counter() - start
+                setattr(cls, name, timed)
 
     def remove(self) -> None:
-        for name, original in self._originals.items():
-            setattr(Grammars, name, original)
+        for cls, name, original in self._originals:
+            setattr(cls, name, original)
 
 
 def params_for(mode: str, max_tokens: int) -> SamplingParams:
@@ -81,9 +88,9 @@ def _parses(text: str) -> bool:
         return False
 
 
-def run_once(llm: LLM, mode: str, batch: int, max_tokens: int, timer: GrammarTimer) -> dict:
+def run_once(llm: LLM, mode: str, batch: int, max_tokens: int, timer: StepTimer) -> dict:
     prompts = [ChatPrompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(batch)]
-    timer.seconds = 0.0
+    timer.seconds = dict.fromkeys(timer.seconds, 0.0)
     start = time.perf_counter()
     outs = llm.generate(prompts, params_for(mode, max_tokens))
     wall = time.perf_counter() - start
@@ -92,7 +99,8 @@ def run_once(llm: LLM, mode: str, batch: int, max_tokens: int, timer: GrammarTim
     return {"batch": batch, "mode": mode, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "num_valid_json": num_valid,
             "tpot_ms": 1000 * statistics.median(o.metrics["tpot_s"] for o in outs),
-            "grammar_ms_per_token": 1000 * timer.seconds / tokens if mode == "json_schema" else 0.0}
+            "grammar_ms_per_token": 1000 * timer.seconds["grammar"] / tokens,
+            "logprobs_ms_per_token": 1000 * timer.seconds["logprobs"] / tokens}
 
 
 def main(argv=None) -> int:
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-results/structured.json")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
-    timer = GrammarTimer()
+    timer = StepTimer()
     timer.install()
     best: dict[tuple[int, str], dict] = {}
     config = EngineConfig(model="smollm2-135m", kv=KVConfig(tokens_per_block=16, capacity_tokens=16384))

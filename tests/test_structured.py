@@ -7,6 +7,7 @@ drafts rejected on the way; without the rollback the run fails (the mutation che
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -113,3 +114,31 @@ def test_without_the_rollback_the_matcher_falls_out_of_step(monkeypatch):
     monkeypatch.setattr(Grammars, "rollback", staticmethod(lambda matcher, num_tokens: None))
     with smollm2(NGRAM) as llm, pytest.raises(RankFailure, match="matcher is out of step"):
         llm.generate(PROMPTS, PARAMS)
+
+
+def test_two_ranks_mask_sample_and_score_in_step():
+    # TP=2 (mp): every rank masks, samples and (for prompt rows, a vocabulary-parallel LM-head call)
+    # scores the same; check_every_step compares the ranks' tokens after every step. Speculation on,
+    # so verify rows are masked and rolled back on both ranks. tiny-llama: byte tokenizer, random weights.
+    from specray import ParallelConfig
+
+    prompts = ["abcabcabc", "0101010101", "hello hello"]
+    params = [SamplingParams(max_tokens=24, structured=StructuredOutput("regex", "(abc|0|1| ){4,30}"), logprobs=2,
+                             prompt_logprobs=1),
+              SamplingParams(max_tokens=24, structured=StructuredOutput("json_object"), logprobs=0),
+              SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)]
+    outs = {}
+    for tp in (1, 2):
+        parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", check_every_step=True,
+                                  timeout_s=60.0)
+        config = EngineConfig(model="tiny-llama", parallel=parallel, spec=NGRAM,
+                              kv=KVConfig(tokens_per_block=16, capacity_tokens=2048))
+        with LLM(config) as llm:
+            outs[tp] = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[1]]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outs[2])
+    for one, two in zip(outs[1], outs[2]):  # a sharded LM head sums in another order: a few ulp
+        torch.testing.assert_close(torch.tensor([e.logprob for e in two.logprobs]),
+                                   torch.tensor([e.logprob for e in one.logprobs]), rtol=0, atol=1e-4)
+    assert len(outs[2][0].prompt_logprobs) == len(outs[2][0].prompt_token_ids)
+    assert re.fullmatch("(abc|0|1| )*", outs[2][0].text)
