@@ -72,6 +72,15 @@ def compile_spec(compiler, structured: StructuredOutput):
     return compiler.compile_grammar(spec)
 
 
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A float32 copy of ``logits`` with the bitmask's forbidden tokens at -inf in ``rows``. On CPU
+    xgrammar's own kernel; elsewhere its plain-torch one (no CUDA or triton build needed)."""
+    masked = logits.float().clone()
+    backend = "cpu" if masked.device.type == "cpu" else "torch_native"
+    _xgrammar().apply_token_bitmask_inplace(masked, bitmask.to(masked.device), indices=rows, backend=backend)
+    return masked
+
+
 @dataclass(slots=True)
 class _Constrained:
     matcher: object
@@ -127,9 +136,7 @@ class Grammars:
         bitmask = xgr.allocate_token_bitmask(len(seq_ids), self.vocab_size)
         for i in rows:
             self.seqs[seq_ids[i]].matcher.fill_next_token_bitmask(bitmask, i)
-        masked = logits.float().clone()
-        xgr.apply_token_bitmask_inplace(masked, bitmask, indices=rows)
-        return masked
+        return _apply(logits, bitmask, rows)
 
     def accept(self, sid: int, token: int) -> None:
         state = self.seqs.get(sid)
@@ -154,9 +161,7 @@ class Grammars:
                 break
             num_allowed += 1
         state.num_drafts_taken = num_allowed
-        masked = logits.float().clone()
-        xgr.apply_token_bitmask_inplace(masked, bitmask, indices=list(range(min(num_allowed + 1, len(drafts) + 1))))
-        return masked, num_allowed
+        return _apply(logits, bitmask, list(range(num_allowed + 1))), num_allowed
 
     def settle(self, sid: int, new: list[int]) -> None:
         """After verification kept ``len(new) - 1`` drafts: roll back the rejected ones, take the bonus."""
