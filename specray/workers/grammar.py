@@ -32,7 +32,7 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise GrammarError("structured output needs the xgrammar package: pip install 'specray[serve]'") from None
+        raise GrammarError("structured output needs the xgrammar package: pip install 'specray[structured]'") from None
     return xgrammar
 
 
