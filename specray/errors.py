@@ -4,6 +4,7 @@ raised on purpose (and nothing torch, Ray or the OS raised on their own).
 | error                | raised when                                                      | also a       |
 |----------------------|------------------------------------------------------------------|--------------|
 | ``ConfigError``      | a config value or a checkpoint's ``config.json`` breaks a rule   | ValueError   |
+| ``GrammarError``     | a structured-output spec does not compile (``workers.grammar``)  | ValueError   |
 | ``EngineClosed``     | an ``LLM`` is used after ``close()``                             | RuntimeError |
 | ``RankFailure``      | a rank died, hung or failed (``specray.launch.procs``)           | RuntimeError |
 | ``TokenDivergence``  | ranks sampled different tokens (``workers.token_check``)         | RuntimeError |
@@ -26,6 +27,11 @@ class SpecrayError(Exception):
 class ConfigError(SpecrayError, ValueError):
     """A configuration value, or a key of a checkpoint's ``config.json``, breaks a rule; the
     message names the value (or the file and key) and the rule."""
+
+
+class GrammarError(SpecrayError, ValueError):
+    """A request's structured-output spec (JSON schema, regex, EBNF, choices) does not compile;
+    the message names the request and xgrammar's reason."""
 
 
 class EngineClosed(SpecrayError, RuntimeError):

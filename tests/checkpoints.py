@@ -17,6 +17,20 @@ FAMILIES = {
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+# DeepSeek-V3: YaRN with rope_interleave, q_lora, n_group 4 / topk_group 2, a non-zero score-correction bias
+# (set in make_checkpoint), one dense layer first; num_key_value_heads = heads and head_dim = qk_rope_head_dim,
+# as DeepSeek-V3 configs have them
+_DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
+                 routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True)
+FAMILIES["deepseek_v3"] = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+    _DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                         original_max_position_embeddings=256, beta_fast=32, beta_slow=1)))
+# Kimi-K2's shape: a plain q_proj (q_lora_rank null), one expert group, default RoPE, no rope interleave
+FAMILIES["kimi_k2"] = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+    _DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False,
+    rope_parameters=dict(rope_type="default", rope_theta=50000.0)))
 
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
@@ -26,6 +40,10 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) ->
     config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: zeros at init, not in a checkpoint
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
     model.save_pretrained(directory)
     return Path(directory)
 

@@ -6,11 +6,12 @@ at target page size 64. Prints one JSON line of observations; the test asserts.
 Two jobs in one driver (a start-up costs most of the time on two cores):
 
 1. default kernels: every rank's pools and the tokens;
-2. the four ranks of the second node narrowed to {32} for the drafter kernel, through the
-   user's runtime_env: every rank's pools and the tokens; then a rank on the third node is
-   killed (SIGKILL) during decoding, and what is left behind afterwards.
+2. an MLA target (tiny DeepSeek-V3: latent pool, DeepSeekMoE) with its own DSpark drafter, the
+   four ranks of the second node narrowed to {32} for the drafter kernel, through the user's
+   runtime_env: every rank's pools and the tokens; then a rank on the third node is killed
+   (SIGKILL) during decoding, and what is left behind afterwards.
 
-    python ray_scale_scenarios.py TARGET_DIR DRAFTER_DIR
+    python ray_scale_scenarios.py TARGET_DIR DRAFTER_DIR MLA_TARGET_DIR MLA_DRAFTER_DIR
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def start_cluster(timeline: Timeline) -> tuple[Cluster, list[str]]:
     return cluster, [ray.get_runtime_context().get_node_id()] + [n.node_id for n in nodes]
 
 
-def main(target: str, drafter: str) -> None:
+def main(target: str, drafter: str, mla_target: str, mla_drafter: str) -> None:
     os.environ[STEP_DIR_VAR] = tempfile.mkdtemp(prefix="specray-steps-")
     timeline = Timeline()
     cluster, nodes = start_cluster(timeline)
@@ -94,7 +95,7 @@ def main(target: str, drafter: str) -> None:
         timeline.mark("default_job")
         narrowed = [r for r in range(16) if r // 4 == NARROWED_NODE]
         env = {"env_vars": {"SPECRAY_DRAFT_KERNEL_PAGE_SIZES": ";".join(f"{r}:32" for r in narrowed)}}
-        report["narrowed"], llm = run_job(target, drafter, runtime_env=env)
+        report["narrowed"], llm = run_job(mla_target, mla_drafter, runtime_env=env)
         timeline.mark("narrowed_job")
         engine, pg = llm._engine, llm._engine._pg  # close forgets the group: keep it to ask Ray about it
         victim = 4 * KILLED_NODE + 1
@@ -111,4 +112,4 @@ def main(target: str, drafter: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

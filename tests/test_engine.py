@@ -136,7 +136,8 @@ def test_request_longer_than_the_model_is_rejected_before_it_runs(tmp_path):
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: SamplingParams(max_tokens=0), r"max_tokens \(0\) must be an integer >= 1"),
+    (lambda: SamplingParams(max_tokens=-1), r"max_tokens \(-1\) must be an integer >= 0"),  # 0: the prompt only
+    (lambda: SamplingParams(logprobs=21), r"logprobs \(21\) must be None or an integer in \[0, 20\]"),
     (lambda: SamplingParams(temperature=-0.5), r"temperature \(-0.5\) must be >= 0"),
     (lambda: SamplingParams(top_p=0.0), r"top_p \(0.0\) must be in \(0, 1\]"),
     (lambda: SamplingParams(top_p=1.5), r"top_p \(1.5\) must be in \(0, 1\]"),

@@ -1,5 +1,6 @@
 """The seed's deployment at its own shape, in the suite: TP16 with MoE TP4 x EP4 and a standalone
-DSpark drafter (published format) at target page size 64, over a simulated 4-node Ray cluster
+DSpark drafter (published format) at target page size 64, on a GQA MoE target and on an MLA target
+(tiny DeepSeek-V3, the seed's own kind), over a simulated 4-node Ray cluster
 (4 logical CPUs per node, loopback; run in a subprocess, see tests/ray_scale_scenarios.py and
 test_ray_cluster.py for why).
 
@@ -33,6 +34,10 @@ average near 30, 16 workers importing Ray at once took longer, and the killed an
 never caught up (seen once: the test timed out with job 2's workers still restarting)."""
 SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, num_experts=8, vocab_size=512)
 """16 heads for TP16, 8 experts for EP4 (2 per group), each expert's 32 columns split 4 ways."""
+MLA_SHAPE = dict(num_attention_heads=16, num_key_value_heads=16, n_routed_experts=8, n_group=4, topk_group=2,
+                 vocab_size=512)
+"""The same mapping on a tiny DeepSeek-V3 (tests/checkpoints.py): 16 heads of q_b/kv_b_proj for TP16, 8 routed
+experts in 4 groups for EP4, the shared expert's 32 columns over TP16; the latent (32 + 8) on every rank."""
 
 
 def one_rank_tokens(target: Path, drafter: Path | None) -> list[list[int]]:
@@ -47,15 +52,18 @@ def scale_report(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-scale")
     target = make_checkpoint("qwen3_moe", root / "target", seed=5, **SHAPE)
     drafter = write_dspark(root / "dspark", target)
+    mla_target = make_checkpoint("deepseek_v3", root / "mla", seed=5, **MLA_SHAPE)
+    mla_drafter = write_dspark(root / "mla-dspark", mla_target)
     ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp, RAY_worker_register_timeout_seconds=REGISTER_TIMEOUT_S,
                PYTHONPATH=os.pathsep.join([str(SCENARIOS.parent), *sys.path]))
     out, err = root / "scenarios.out", root / "scenarios.err"  # files: a full pipe would stall it
     with out.open("w") as stdout, err.open("w") as stderr:
-        run = subprocess.Popen([sys.executable, str(SCENARIOS), str(target), str(drafter)], env=env,
-                               stdout=stdout, stderr=stderr, text=True)
+        run = subprocess.Popen([sys.executable, str(SCENARIOS), str(target), str(drafter), str(mla_target),
+                                str(mla_drafter)], env=env, stdout=stdout, stderr=stderr, text=True)
         try:  # the one-rank references while the cluster starts (a second of CPU beside minutes)
-            references = one_rank_tokens(target, drafter), one_rank_tokens(target, None)
+            references = (one_rank_tokens(target, drafter), one_rank_tokens(target, None),
+                          one_rank_tokens(mla_target, mla_drafter), one_rank_tokens(mla_target, None))
             run.wait(timeout=560)
         finally:
             run.kill()  # a no-op once it has exited
@@ -93,13 +101,19 @@ def _check_job(job: dict, nodes: list[str], draft_page: int, expected: list[list
 
 @pytest.mark.timeout(600)  # 32 Ray workers each import torch: minutes on two loaded cores
 def test_tp16_moe_4x4_dspark_over_four_nodes(scale_report):
-    report, one_rank, plain = scale_report
+    report, one_rank, plain, mla_one_rank, mla_plain = scale_report
     nodes = report["nodes"]
     assert len(set(nodes)) == 4
     assert one_rank == plain, "speculative decoding on one rank must equal plain greedy decoding"
+    assert mla_one_rank == mla_plain
     _check_job(report["default"], nodes, 64, plain)
-    # the second node's four ranks accept only 32 for the drafter kernel: all 16 ranks choose 32
-    ray_nodes = _check_job(report["narrowed"], nodes, 32, plain)
+    assert report["default"]["ranks"][0]["kv"]["target"]["kind"] == "kv"
+    # the MLA job: the second node's four ranks accept only 32 for the drafter kernel, so all 16 ranks
+    # choose 32; every rank holds the same latent target pool (one row of 32 + 8 per token, not split by heads)
+    ray_nodes = _check_job(report["narrowed"], nodes, 32, mla_plain)
+    latent = report["narrowed"]["ranks"][0]["kv"]["target"]
+    assert (latent["kind"], latent["num_kv_heads"], latent["head_dim"], latent["tokens_per_block"]) == \
+        ("latent", 1, 40, 64)
 
     killed = report["killed"]
     victim = killed["rank"]

@@ -31,6 +31,9 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: dict | None = None
+    prompt_token_ids: list | None = None
+    new_logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -224,3 +227,61 @@ def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):
     assert "port (70000) must be in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--max-num-queued-reqs", "-1"]) == 2
     assert "max_num_queued_reqs (-1) must be >= 0" in capsys.readouterr().err
+
+
+# A value for every field of the unsupported list that would change the output if it were honoured.
+CHANGING = {"best_of": 3, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
+            "logit_bias": {"5": 10}, "suffix": "end", "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
+            "prompt_logprobs": 1, "min_p": 0.1, "min_tokens": 3, "modalities": ["text", "audio"],
+            "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"},
+            "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "logits_processors": ["x"],
+            "bad_words": ["x"], "allowed_token_ids": [1], "guided_json": {}, "guided_regex": "a+",
+            "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"", "use_beam_search": True,
+            "length_penalty": 2.0, "include_stop_str_in_output": True, "chat_template": "{{ x }}",
+            "chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_the_unsupported_table_is_what_the_test_covers():
+    from specray.serve.fields import UNSUPPORTED
+
+    assert sorted(CHANGING) == list(UNSUPPORTED)
+
+
+@pytest.mark.parametrize("name", sorted(CHANGING))
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_every_unsupported_field_is_400_naming_it(client, engine, name, route):
+    base = (dict(model="m", prompt=[1], max_tokens=2) if route == "completions" else
+            dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    r = client.post(path, json={**base, name: CHANGING[name]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == name and name in r.json()["error"]["message"]
+    assert engine.seen_params == []  # refused before the engine saw it
+    assert client.post(path, json=base).status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{"user": "u1"}, {"metadata": {"k": "v"}}, {"store": False},
+                                   {"service_tier": "auto"}, {"cache_salt": "s"}, {"frequency_penalty": 0},
+                                   {"tools": []}, {"tool_choice": "none"}, {"logit_bias": {}}, {"best_of": 1}])
+def test_fields_that_cannot_change_the_output_are_accepted(client, extra):
+    r = client.post("/v1/completions", json=dict(model="m", prompt=[1], max_tokens=2, **extra))
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_and_message_fields_are_400(client):
+    r = client.post("/v1/completions", json=dict(model="m", prompt=[1], max_token=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]
+    r = client.post("/v1/chat/completions", json=dict(model="m", messages=messages))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls"
+    ok = [{"role": "user", "content": "hi", "name": None}, {"role": "assistant", "content": "x", "refusal": None}]
+    assert client.post("/v1/chat/completions", json=dict(model="m", messages=ok, max_tokens=2)).status_code == 200
+
+
+def test_max_tokens_0_needs_echo_and_top_logprobs_need_logprobs(client):
+    r = client.post("/v1/completions", json=dict(model="m", prompt=[1], max_tokens=0))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = client.post("/v1/chat/completions", json=dict(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                      top_logprobs=2))
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]

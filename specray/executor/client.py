@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from specray.errors import GrammarError
 from specray.executor.outputs import AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput
 
 
@@ -55,6 +56,8 @@ class RequestStream:
 
 def rejection(error_type: str, message: str) -> Exception:
     """A rejected add as the caller sees it: bad input stays a ValueError."""
+    if error_type == "GrammarError":
+        return GrammarError(message)
     return ValueError(message) if error_type in ("ValueError", "ConfigError") else RuntimeError(
         f"rank 0 rejected the request: {error_type}: {message}")
 
@@ -163,13 +166,17 @@ class EngineClient:
 
 def collect(index: int, stream: RequestStream, next_delta: Callable[[RequestStream], RequestDelta]) -> RequestOutput:
     """Read a stream to its last delta and build the request's ``RequestOutput``."""
-    prompt, tokens, text = [], [], []
+    prompt, tokens, text, logprobs, prompt_logprobs = [], [], [], None, None
     while True:
         delta = next_delta(stream)
         if delta.prompt_token_ids is not None:
             prompt = delta.prompt_token_ids
         tokens += delta.new_token_ids
         text.append(delta.new_text)
+        if delta.new_logprobs is not None:
+            logprobs = (logprobs or []) + delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs = delta.prompt_logprobs
         if delta.is_finished:
             return RequestOutput(index, prompt, tokens, delta.finish_reason, delta.metrics or {}, "".join(text),
-                                 delta.stop_reason)
+                                 delta.stop_reason, logprobs, prompt_logprobs)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
+from specray.errors import GrammarError
 from specray.executor import spec_metrics
 from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine_tokenizer
+from specray.workers.logprobs import TokenLogprob
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator
 from specray.workers.worker import RankWorker
@@ -64,6 +66,9 @@ class LiveRequest:
     seq: Sequence
     num_sent: int = 0  # output tokens already sent in deltas
     has_sent: bool = False  # a delta went out (the first carries the prompt's token ids)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, when asked
+    has_sent_prompt_logprobs: bool = False
 
 
 class EngineCore:
@@ -122,6 +127,12 @@ class EngineCore:
                                  f"{self.config.model!r} has none; use stop_token_ids")
         validate_requests(encoded, params, arch.vocab_size, self.capacity_tokens, self.num_draft_tokens,
                           arch.max_position_embeddings, labels)
+        for label, p in zip(labels, params):  # compiled here, once per distinct spec; the ranks reuse it
+            if p.structured is not None:
+                try:
+                    self.worker.grammars.compile(p.structured)
+                except GrammarError as err:
+                    raise GrammarError(f"request {label}: {err}") from None
         for rid, ids_, p, prompt in zip(ids, encoded, params, prompts):
             request = LiveRequest(rid, self._sequence(ids_, p, isinstance(prompt, ChatPrompt)))
             self.live[rid] = self._by_seq[request.seq.seq_id] = request
@@ -146,13 +157,43 @@ class EngineCore:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         try:
             plan = self.scheduler.schedule()
+            self._ask_prompt_logprobs(plan)
             tokens = self._step(plan)
+            num_before = [len(self._by_seq[sid].seq.output_ids) for sid in plan.seq_ids]
             self.scheduler.finish_step(tokens, self.worker.num_drafts)
+            self._keep_logprobs(plan, num_before)
         except BaseException:
             self.is_broken = True
             raise
         self._needs_settle = True
         return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids]
+
+    def _ask_prompt_logprobs(self, plan: StepPlan) -> None:
+        """Name in the plan the sequences whose prompt runs now and that want its log-probabilities,
+        with the prompt token after the fed ones (None when they end the prompt)."""
+        for sid, start, ids in zip(plan.seq_ids, plan.start_positions, plan.input_ids):
+            request = self._by_seq[sid]
+            seq, recorded = request.seq, request.prompt_logprobs
+            if seq.params.prompt_logprobs is None or start >= seq.prompt_len or len(recorded) == seq.prompt_len:
+                continue  # not asked, a decode, or a recomputation after preemption (already known)
+            if not recorded:
+                recorded.append(None)  # the first prompt token has nothing before it
+            if len(recorded) != start + 1:
+                raise RuntimeError(f"request {request.request_id!r}: the prompt runs from position {start} but its "
+                                   f"log-probabilities are known up to {len(recorded) - 1}; a request that asks for "
+                                   f"prompt log-probabilities must compute its whole prompt (no prefix-cache hit)")
+            end = start + len(ids)
+            plan.prompt_logprobs[sid] = seq.token_ids[end] if end < seq.prompt_len else None
+
+    def _keep_logprobs(self, plan: StepPlan, num_before: list[int]) -> None:
+        """Rank 0's worker computed the step's log-probabilities; keep those of the tokens the
+        sequences really took (a stop in the middle of the accepted drafts drops the rest)."""
+        rows = self.worker.step_logprobs
+        for i, sid in enumerate(plan.seq_ids):
+            request = self._by_seq[sid]
+            request.prompt_logprobs += self.worker.step_prompt_logprobs.get(sid, [])
+            if rows is not None and rows[i] is not None:
+                request.logprobs += rows[i][:len(request.seq.output_ids) - num_before[i]]
 
     def settle(self) -> None:
         """When the work runs out: the call-end plan lets the ranks forget the last finished
@@ -173,7 +214,7 @@ class EngineCore:
     def _sequence(self, prompt: list[int], params: SamplingParams, is_chat: bool) -> Sequence:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = self.worker.arch.eos_token_ids
-        if is_chat:  # a chat answer also ends at the template's end-of-turn token
+        if is_chat or params.structured is not None:  # a chat answer (or a grammar's text) also ends at end of turn
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.end_of_turn_ids)))
         text = RequestText(self.tokenizer, prompt, params) if self.tokenizer is not None else None
         seq = Sequence(self._seq_ids, list(prompt), len(prompt), params, seed, eos, text=text)
@@ -193,6 +234,10 @@ class EngineCore:
         delta = RequestDelta(request.request_id, new, text, seq.prompt_len, len(seq.output_ids),
                              seq.finish_reason, seq.stop_reason,
                              prompt_token_ids=seq.token_ids[:seq.prompt_len] if is_first else None)
+        if seq.params.logprobs is not None:
+            delta.new_logprobs = request.logprobs[len(seq.output_ids) - len(new):len(seq.output_ids)]
+        if len(request.prompt_logprobs) == seq.prompt_len and not request.has_sent_prompt_logprobs:
+            delta.prompt_logprobs, request.has_sent_prompt_logprobs = request.prompt_logprobs, True
         if seq.is_finished:
             delta.metrics = self._metrics(seq)
             del self.live[request.request_id], self._by_seq[seq.seq_id]

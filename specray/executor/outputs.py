@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specray.workers.logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -19,6 +21,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     text: str = ""  # the output text ("" when the model has no tokenizer)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
 
 
 @dataclass(slots=True)
@@ -32,6 +36,8 @@ class RequestDelta:
     stop_reason: int | str | None = None
     metrics: dict | None = None  # on the last delta: the RequestOutput.metrics dict
     prompt_token_ids: list[int] | None = None  # on the first delta only: the encoded prompt
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the first delta after the prompt ran
 
     @property
     def is_finished(self) -> bool:

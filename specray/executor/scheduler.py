@@ -237,7 +237,9 @@ class Scheduler:
                 self.spec_counters.record(len(new) - 1, proposed)
             # every fed token is cached except the rejected drafts; the last new token is not fed yet
             seq.num_computed = len(seq.token_ids) + len(new) - 1
-            for token in new:
+            if seq.params.max_tokens == 0:  # the prompt ran for its log-probabilities; nothing is generated
+                seq._finish("length", None)
+            for token in new if not seq.is_finished else ():
                 seq.append(token)
                 if seq.is_finished:
                     break

@@ -58,8 +58,9 @@ def fingerprint(pools: dict[str, list[torch.Tensor]]) -> dict[str, dict]:
     """What was really allocated, read from the tensors themselves."""
     out = {}
     for name, layers in pools.items():
-        blocks, _, kv_heads, page, head_dim = layers[0].shape
-        out[name] = dict(tokens_per_block=page, num_blocks=blocks, num_layers=len(layers), num_kv_heads=kv_heads,
+        blocks, rows, kv_heads, page, head_dim = layers[0].shape
+        kind = "kv" if rows == 2 else "latent"
+        out[name] = dict(kind=kind, tokens_per_block=page, num_blocks=blocks, num_layers=len(layers), num_kv_heads=kv_heads,
                          head_dim=head_dim, dtype=str(layers[0].dtype).removeprefix("torch."),
                          num_bytes=sum(t.numel() * t.element_size() for t in layers))
     return out

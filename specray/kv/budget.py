@@ -47,7 +47,7 @@ def rank_kv_budget_bytes(memory_fraction: float, kv: KVConfig, device: torch.dev
 
 def _geometry(layout: KVLayout, page: int, capacity: int, dtype: str) -> PoolGeometry:
     return PoolGeometry(tokens_per_block=page, num_blocks=capacity // page, num_layers=layout.num_layers,
-                        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype)
+                        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype, kind=layout.kind)
 
 
 def split_budget(*, budget_bytes: int, capacity_tokens: int | None, target: KVLayout, target_page: int,

@@ -32,6 +32,10 @@ def validate_mapping(arch: ModelArch, parallel: ParallelConfig, world_size: int 
             (arch.moe_intermediate_size % moe_tp == 0,
              f"moe_tp_size ({moe_tp}) must divide the expert intermediate size ({arch.moe_intermediate_size})"),
         ]
+        if arch.router is not None and arch.router.num_shared_experts:
+            shared = arch.moe_intermediate_size * arch.router.num_shared_experts
+            rules.append((shared % tp == 0, f"tp_size ({tp}) must divide the shared experts' intermediate size "
+                                            f"({shared} = moe_intermediate_size x n_shared_experts)"))
     elif parallel.moe_ep_size not in (None, 1):
         rules.append((False, f"moe_ep_size ({parallel.moe_ep_size}) needs a mixture-of-experts model; "
                              f"{arch.architecture} has no experts"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specray.errors import require_keys
+from specray.models.mla_arch import GroupedRouter, MLAArch, YarnRope, read_mla, read_router, read_yarn
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,8 @@ class Family:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     always_norm_topk: bool = False  # Mixtral renormalises the top-k weights unconditionally
     expert_size_key: str = "moe_intermediate_size"  # config key of one expert's intermediate size
+    mixer: str = "attention"  # the token mixer of its layers: "attention" (GQA, K/V pool) or "mla" (latent pool)
+    router: str = "softmax"  # "softmax" top-k, or "grouped_sigmoid" (DeepSeekMoE: bias, groups, shared experts)
 
 
 FAMILIES: dict[str, Family] = {
@@ -31,7 +34,10 @@ FAMILIES: dict[str, Family] = {
         has_qk_norm=False, moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"), always_norm_topk=True,
         expert_size_key="intermediate_size",
     ),
+    # Kimi-K2 checkpoints use this class too (q_lora_rank null, n_group 1)
+    "DeepseekV3ForCausalLM": Family(has_qk_norm=False, moe_prefix="mlp", mixer="mla", router="grouped_sigmoid"),
 }
+MIXERS = ("attention", "mla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +61,40 @@ class ModelArch:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    mixers: tuple[str, ...] = ()  # per layer (empty: the family's mixer everywhere)
+    mla: MLAArch | None = None
+    yarn: YarnRope | None = None
+    router: GroupedRouter | None = None  # DeepSeekMoE routing; None: softmax top-k
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.mixers if m not in MIXERS]
+        if bad or (self.mixers and len(self.mixers) != self.num_layers):
+            raise ValueError(f"mixers {self.mixers} must name one of {MIXERS} for each of the {self.num_layers} layers")
+        if self.mla is None and "mla" in self.mixers:
+            raise ValueError("an MLA layer needs the MLA record (mla)")
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.architecture]
+
+    def mixer_of(self, layer: int) -> str:
+        """The token mixer of layer ``layer``; past the last layer (MTP blocks) the family's."""
+        return self.mixers[layer] if layer < len(self.mixers) else self.family.mixer
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates: the whole head, or MLA's qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
     def kv_bytes_per_token(self, dtype_size: int, tp_size: int) -> int:
-        """Bytes one token's K and V take on one rank, over all layers."""
+        """Bytes one token's K and V (MLA: its latent row, on every rank whole) take on one rank,
+        over all layers."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim * dtype_size
         kv_heads = max(self.num_kv_heads // tp_size, 1)
         return 2 * self.num_layers * kv_heads * self.head_dim * dtype_size
 
@@ -98,11 +127,16 @@ def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
             f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
             f"supported: {sorted(FAMILIES)}"
         )
+    family = FAMILIES[supported[0]]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; only 'default' RoPE is")
+    allowed = ("default", "yarn") if family.mixer == "mla" else ("default",)
+    if rope_type not in allowed:
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported for {supported[0]}; "
+                         f"supported: {list(allowed)}")
     require_keys(cfg, REQUIRED_KEYS, source)
+    if family.mixer == "mla":
+        return _mla_arch(cfg, supported[0], rope, source)
     num_heads = cfg["num_attention_heads"]
     num_layers = cfg["num_hidden_layers"]
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
@@ -139,3 +173,39 @@ def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
         moe_layers=moe_layers,
         eos_token_ids=tuple(int(e) for e in eos_ids),
     )
+
+
+def _mla_arch(cfg: dict, architecture: str, rope: dict, source: str) -> ModelArch:
+    """DeepSeek-V3 / Kimi-K2: MLA layers, the first ``first_k_dense_replace`` dense, the rest
+    DeepSeekMoE. ``head_dim`` is the attention head size, qk_nope + qk_rope (the config's own
+    ``head_dim`` key is qk_rope_head_dim and is not read)."""
+    mla = read_mla(cfg, source)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    yarn = read_yarn(rope, source) if rope_type == "yarn" else None
+    num_layers, num_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    num_experts = int(cfg.get("n_routed_experts") or 0)
+    router, moe_layers = None, ()
+    if num_experts:
+        router = read_router(cfg, source)
+        dense = int(cfg.get("first_k_dense_replace") or 0)
+        if not 0 <= dense <= num_layers:
+            raise ValueError(f"{source}: first_k_dense_replace ({dense}) must be between 0 and "
+                             f"num_hidden_layers ({num_layers})")
+        moe_layers = tuple(range(dense, num_layers))
+    if len(moe_layers) < num_layers:
+        require_keys(cfg, {"intermediate_size": "the MLP width of the dense layers"}, source)
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return ModelArch(
+        architecture=architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size", 0), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_heads, head_dim=mla.qk_head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), num_experts=num_experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]) if num_experts else 0,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]) if num_experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=moe_layers,
+        eos_token_ids=tuple(int(e) for e in eos_ids), mixers=("mla",) * num_layers, mla=mla, yarn=yarn,
+        router=router)

@@ -14,7 +14,7 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Checkpoint tensors in Hugging Face names: N(0, 0.02) matrices, unit norms."""
     gen = torch.Generator().manual_seed(seed)
     h, v, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, nh, nkv = cfg.get("head_dim"), cfg["num_attention_heads"], cfg.get("num_key_value_heads")
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.02
@@ -22,6 +22,10 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h)}
     if not cfg.get("tie_word_embeddings"):
         w["lm_head.weight"] = normal(v, h)
+    if cfg["model_type"] == "deepseek_v3":
+        for i in range(cfg["num_hidden_layers"]):
+            w.update(_deepseek_layer(cfg, i, normal))
+        return w
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = torch.ones(h)
@@ -44,6 +48,37 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             w[f"{p}.mlp.gate_proj.weight"] = normal(inter, h)
             w[f"{p}.mlp.up_proj.weight"] = normal(inter, h)
             w[f"{p}.mlp.down_proj.weight"] = normal(h, inter)
+    return w
+
+
+def _deepseek_layer(cfg: dict, i: int, normal) -> dict[str, torch.Tensor]:
+    """One DeepSeek-V3 / Kimi-K2 layer: MLA attention; a dense MLP for the first
+    ``first_k_dense_replace`` layers, DeepSeekMoE (router with a non-zero score-correction
+    bias, routed and shared experts) after."""
+    h, nh, p = cfg["hidden_size"], cfg["num_attention_heads"], f"model.layers.{i}"
+    rank, nope, rope, v = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    a = f"{p}.self_attn"
+    w = {f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+         f"{a}.kv_a_proj_with_mqa.weight": normal(rank + rope, h), f"{a}.kv_a_layernorm.weight": torch.ones(rank),
+         f"{a}.kv_b_proj.weight": normal(nh * (nope + v), rank), f"{a}.o_proj.weight": normal(h, nh * v)}
+    if cfg.get("q_lora_rank"):
+        q = cfg["q_lora_rank"]
+        w.update({f"{a}.q_a_proj.weight": normal(q, h), f"{a}.q_a_layernorm.weight": torch.ones(q),
+                  f"{a}.q_b_proj.weight": normal(nh * (nope + rope), q)})
+    else:
+        w[f"{a}.q_proj.weight"] = normal(nh * (nope + rope), h)
+    is_moe = cfg.get("n_routed_experts") and i >= (cfg.get("first_k_dense_replace") or 0)
+    parts = [("mlp", cfg["intermediate_size"])]
+    if is_moe:
+        e_inter = cfg["moe_intermediate_size"]
+        parts = [(f"mlp.experts.{e}", e_inter) for e in range(cfg["n_routed_experts"])]
+        if cfg.get("n_shared_experts"):
+            parts.append(("mlp.shared_experts", e_inter * cfg["n_shared_experts"]))
+        w[f"{p}.mlp.gate.weight"] = normal(cfg["n_routed_experts"], h)
+        w[f"{p}.mlp.gate.e_score_correction_bias"] = normal(cfg["n_routed_experts"]) * 2
+    for name, inter in parts:
+        w.update({f"{p}.{name}.gate_proj.weight": normal(inter, h), f"{p}.{name}.up_proj.weight": normal(inter, h),
+                  f"{p}.{name}.down_proj.weight": normal(h, inter)})
     return w
 
 

@@ -1,4 +1,7 @@
-"""The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral).
+"""The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 /
+Kimi-K2). A layer is assembled from parts the architecture record names: its token mixer
+(``Attention`` here, or ``MLAttention`` in mla.py) and its MLP (dense here, ``MoE`` or
+``DeepSeekMoE`` in moe.py). Their sharding tables are in those files.
 
 Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
 
@@ -8,8 +11,9 @@ Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
 | self_attn.qkv            | q heads over tp; kv heads over tp or replicated    | -                       |
 | self_attn.o_proj         | input columns (heads) over tp                      | all_reduce (tp)         |
 | mlp.gate_up / down       | intermediate over tp                               | all_reduce (tp)         |
+| self_attn (MLA)          | q_b/kv_b by head, latent projections replicated    | all_reduce (tp), mla.py |
 | moe experts              | contiguous expert groups over moe_ep; each         | one all_reduce (tp)     |
-|                          | expert's intermediate over moe_tp                  | sums both splits        |
+|                          | expert's intermediate over moe_tp (moe.py)         | sums both splits        |
 | moe router (gate)        | replicated                                         | -                       |
 | norms                    | replicated                                         | -                       |
 | lm_head                  | vocab rows over tp                                 | all_gather (tp)         |
@@ -22,17 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.context import DistContext
+from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch
-from specray.models.attention import AttentionMetadata, paged_attention, write_kv
+from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, paged_attention, write_kv
 from specray.models.block_attention import block_decode_attention
 from specray.models.cpu_kernels import kernels_for
 from specray.models.fused_decode import fused_kernels, fused_layers, fused_layers_enabled
+from specray.models.mla import MLA_CPU_PAGE_SIZES, MLAttention, rotary_for
+from specray.models.moe import DeepSeekMoE, MoE
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rope,
@@ -56,6 +62,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
         self.scale = arch.head_dim ** -0.5
+
+    def layout(self, num_layers: int) -> KVLayout:
+        """K and V per kv head on this rank."""
+        return KVLayout(num_layers, self.num_local_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         heads, kv_heads, dim = self.num_local_heads, self.num_local_kv_heads, self.head_dim
@@ -97,65 +107,23 @@ class MLP(nn.Module):
         self.down.load(reader, f"{prefix}.down_proj")
 
 
-class MoE(nn.Module):
-    """Top-k routed experts. This rank holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep), each
-    split over moe_tp; partial outputs of both splits are summed by one all_reduce over tp."""
-
-    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
-        super().__init__()
-        ep, mtp = ctx.moe_ep, ctx.moe_tp
-        self.tp = ctx.tp
-        self.top_k = arch.num_experts_per_tok
-        self.norm_topk = arch.norm_topk_prob
-        self.names = arch.family.expert_names
-        self.num_local = arch.num_experts // ep.size
-        self.first_expert = ep.rank_in_group * self.num_local
-        self.inter_shard = arch.moe_intermediate_size // mtp.size
-        self.inter_start = mtp.rank_in_group * self.inter_shard
-        h, dev = arch.hidden_size, ctx.device
-        self.gate = nn.Parameter(torch.empty(arch.num_experts, h, dtype=dtype, device=dev), requires_grad=False)
-        self.w_gate_up = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_shard, h, dtype=dtype, device=dev),
-                                      requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(self.num_local, h, self.inter_shard, dtype=dtype, device=dev),
-                                   requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Routing as transformers does it: softmax in float32, top-k, optional renormalisation.
-        probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        local = experts - self.first_expert
-        for e in torch.unique(local[(local >= 0) & (local < self.num_local)]).tolist():
-            token, slot = torch.nonzero(local == e, as_tuple=True)
-            gate, up = F.linear(x[token], self.w_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w_down[e])
-            out.index_add_(0, token, y * weights[token, slot, None])
-        return self.tp.all_reduce(out)
-
-    def load(self, reader, prefix: str) -> None:
-        self.gate.copy_(reader.read(f"{prefix}.gate.weight"))
-        g, u, d = self.names
-        lo, hi = self.inter_start, self.inter_start + self.inter_shard
-        for i in range(self.num_local):
-            p = f"{prefix}.experts.{self.first_expert + i}"
-            self.w_gate_up[i, : self.inter_shard].copy_(reader.read(f"{p}.{g}.weight", 0, lo, hi))
-            self.w_gate_up[i, self.inter_shard:].copy_(reader.read(f"{p}.{u}.weight", 0, lo, hi))
-            self.w_down[i].copy_(reader.read(f"{p}.{d}.weight", 1, lo, hi))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
         super().__init__()
         dev = ctx.device
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
-        self.self_attn = Attention(arch, ctx, dtype, kernel)
+        # the family table's per-layer mixer: GQA attention over a K/V pool, or MLA over a latent pool
+        if arch.mixer_of(index) == "mla":
+            self.self_attn = MLAttention(arch, ctx, dtype)
+        else:
+            self.self_attn = Attention(arch, ctx, dtype, kernel)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.is_moe = index in arch.moe_layers
         self.mlp_prefix = arch.family.moe_prefix if self.is_moe else "mlp"
-        self.mlp = MoE(arch, ctx, dtype) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size, ctx, dtype)
+        if self.is_moe and arch.router is not None:
+            self.mlp = DeepSeekMoE(arch, ctx, dtype)
+        else:
+            self.mlp = MoE(arch, ctx, dtype) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size, ctx, dtype)
 
     def forward(self, x, cos, sin, pool, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta)
@@ -179,15 +147,28 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype, kernel) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, dev)
-        # fused_layers runs these kernels' maths; SPECRAY_CPU_FUSED_LAYERS=0 keeps the module path
-        self.is_fused = (kernel is paged_attention or kernel is block_decode_attention) and fused_layers_enabled()
+        self.rotary = rotary_for(arch, dev)
+        # fused_layers runs these kernels' maths (GQA layers only); SPECRAY_CPU_FUSED_LAYERS=0 keeps the module path
+        self.is_fused = ((kernel is paged_attention or kernel is block_decode_attention) and fused_layers_enabled()
+                         and arch.mla is None)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def num_local_kv_heads(self) -> int:
         return self.layers[0].self_attn.num_local_kv_heads
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What one token needs in this rank's pool, over the model's layers (kind kv or latent)."""
+        return self.layers[0].self_attn.layout(self.arch.num_layers)
+
+    @property
+    def kernel_page_sizes(self) -> dict[str, frozenset[int]]:
+        """The attention kernels this rank runs for the target and the page sizes each accepts."""
+        if self.arch.mla is not None:
+            return {"mla_cpu": MLA_CPU_PAGE_SIZES}
+        return {"paged_attention": PAGED_ATTENTION_PAGE_SIZES}
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, pools: list[torch.Tensor],
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()):

@@ -78,9 +78,15 @@ class RotaryEmbedding:
     needs more, so a step only indexes them. Each entry is the float32 expression
     transformers evaluates per step (position * inv_freq, then cos and sin)."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device, size: int = 1024):
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponent)
+    def __init__(self, head_dim: int, theta: float, device: torch.device, size: int = 1024,
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+        """``inv_freq`` and ``attention_scaling`` (what cos and sin are multiplied by) for scaled
+        RoPE such as YaRN (mla.py); by default the plain frequencies and no scaling."""
+        if inv_freq is None:
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+            inv_freq = 1.0 / (theta ** exponent)
+        self.inv_freq = inv_freq.to(device)
+        self.attention_scaling = attention_scaling
         self.cos = self.sin = torch.empty(0, head_dim, device=device)
         self._grow(size)
 
@@ -88,6 +94,8 @@ class RotaryEmbedding:
         freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            self.cos, self.sin = self.cos * self.attention_scaling, self.sin * self.attention_scaling
 
     def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``end``: one past the largest position, which callers know from their metadata (so

@@ -17,18 +17,35 @@ from pathlib import Path
 from specray.envs import cache_root
 from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
 from specray.models.checkpoint_writer import random_weights, write_checkpoint
-from specray.models.drafter_presets import DRAFTER_SUFFIXES, PRESET_FORMAT_TAG, drafter_preset
+from specray.models.drafter_presets import DRAFTER_SUFFIXES, PRESET_FORMAT_TAG, drafter_preset, mtp_checkpoint
 
 BYTE_VOCAB = 320  # 256 bytes, BOS 256, EOS 257, padding up to a multiple of 64 for TP
 _TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, bos_token_id=256, eos_token_id=257,
              max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 
+_MLA = dict(_TINY, num_key_value_heads=8, head_dim=16, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+            v_head_dim=32, n_routed_experts=16, n_shared_experts=1, moe_intermediate_size=128, num_experts_per_tok=2,
+            routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True)  # head_dim = qk_rope_head_dim
+
 PRESETS: dict[str, dict] = {
     "tiny-llama": dict(_TINY, architectures=["LlamaForCausalLM"], model_type="llama"),
     "tiny-qwen3": dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
     "tiny-moe": dict(_TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
                      num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+    # DeepSeek-V3's shape, small: MLA (q_lora, YaRN, interleaved RoPE), DeepSeekMoE (16 routed experts in 4
+    # groups, 2 groups kept, 1 shared, score bias), the first layer dense, and one MTP module in the checkpoint
+    "tiny-deepseek-v3": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=128,
+                             n_group=4, topk_group=2, rope_interleave=True, num_nextn_predict_layers=1,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                                  mscale_all_dim=1.0, original_max_position_embeddings=1024,
+                                                  beta_fast=32, beta_slow=1)),
+    # Kimi-K2's shape: the same class with a plain q_proj (q_lora_rank null) and one expert group
+    "tiny-kimi-k2": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=None,
+                         n_group=1, topk_group=1, rope_interleave=True, num_nextn_predict_layers=1,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=4.0, mscale=1.0,
+                                              mscale_all_dim=1.0, original_max_position_embeddings=1024,
+                                              beta_fast=1, beta_slow=1)),
     "mid-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=1024,
                       intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                       head_dim=64, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096,
@@ -64,6 +81,8 @@ def materialize(name: str, seed: int = 0) -> Path:
     try:
         if name in PRESETS:
             cfg, weights = PRESETS[name], random_weights(PRESETS[name], seed)
+            if cfg.get("num_nextn_predict_layers"):  # MTP modules inside the checkpoint, as DeepSeek-V3 ships them
+                cfg, weights = mtp_checkpoint(cfg, weights, seed, cfg["num_nextn_predict_layers"])
         else:
             target_name, method = _drafter_presets()[name]
             cfg, weights = drafter_preset(PRESETS[target_name], target_name, method, seed)

@@ -24,7 +24,8 @@ from specray.serve.generation import Admission, RequestRun
 from specray.serve.metrics import ServerMetrics
 from specray.serve.protocol import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
                                     CompletionRequest, DetokenizeRequest, TokenizeRequest, fan_out)
-from specray.serve.responses import CHAT, COMPLETION, response_body, stream_events
+from specray.serve.logprobs import TokenNames
+from specray.serve.responses import CHAT, COMPLETION, Rendering, response_body, stream_events
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left; nobody reads it
 
@@ -124,8 +125,11 @@ def build_app(holder: EngineHolder, config: ServeConfig) -> FastAPI:
 
     async def generate(request: Request, body, fmt, default_max_tokens: int):
         check_model(body.model)
+        body.check_fields()
         engine = holder.require()
         choices = fan_out(body.prompts(), body.sampling_params(default_max_tokens))
+        render = Rendering(fmt, TokenNames(engine.tokenizer), echo=getattr(body, "echo", False),
+                           has_logprobs=choices[0].params.logprobs is not None)
         admission.acquire(len(choices))
         run = RequestRun(engine, choices, metrics)
         is_finished = False
@@ -140,7 +144,7 @@ def build_app(holder: EngineHolder, config: ServeConfig) -> FastAPI:
         try:
             await run.start()
             if body.stream:
-                events = stream_events(fmt, run, config.served_model_name, body.include_usage)
+                events = stream_events(render, run, config.served_model_name, body.include_usage)
                 return _ClosingStream(events, on_close=finish, media_type="text/event-stream")
             results = await _collect_unless_disconnected(request, run)
         except BaseException:
@@ -149,7 +153,7 @@ def build_app(holder: EngineHolder, config: ServeConfig) -> FastAPI:
         await finish()
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return response_body(fmt, run.id, config.served_model_name, results)
+        return response_body(render, run.id, config.served_model_name, results)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 

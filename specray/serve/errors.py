@@ -4,6 +4,8 @@ OpenAI envelope ``{"error": {"message", "type", "param", "code"}}`` they are all
 | exception                         | status | meaning                                         |
 |-----------------------------------|--------|-------------------------------------------------|
 | ``ValueError`` (request checks)   | 400    | the request is invalid (validation included)    |
+| ``UnsupportedField``              | 400    | a field specray would otherwise ignore          |
+| ``GrammarError``                  | 400    | a structured-output spec that does not compile  |
 | ``Unauthorized``                  | 401    | ``--api-key`` is set and the request lacks it   |
 | ``NotFound``                      | 404    | unknown model or route                          |
 | ``QueueFull``                     | 503    | more requests than ``--max-num-queued-reqs``    |
@@ -47,6 +49,10 @@ class EngineUnavailable(ServeError):
 
 class BadRequest(ServeError, ValueError):
     pass
+
+
+class UnsupportedField(BadRequest):
+    """A request field specray does not implement, whose value could change the output."""
 
 
 # Most specific first: the first class the exception is an instance of decides.

@@ -52,10 +52,18 @@ class ChoiceResult:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
+    prompt_logprobs: list | None = None  # per prompt token (echo with logprobs), the first None
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta) -> None:
         self.text += delta.new_text
         self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs or ())
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_token_ids is not None:
+            self.prompt_token_ids = delta.prompt_token_ids
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_output_tokens = delta.num_output_tokens
         if delta.finish_reason is not None:

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specray.config import SamplingParams
+from specray.config import MAX_LOGPROBS, SamplingParams
 from specray.executor.text import ChatPrompt, Prompt
+from specray.serve.errors import BadRequest
+from specray.serve.fields import check_fields, check_message_fields
+from specray.serve.structured import ResponseFormat, StructuredOutputs
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's own default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no fixed API default (OpenAI: up to the context); a bounded answer
@@ -31,10 +34,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by completions and chat. Unknown fields (``user``, ``logit_bias``...) are
-    ignored, as the OpenAI clients send some by default."""
+    """Fields shared by completions and chat. Fields not declared here are kept aside and checked
+    by ``check_fields`` (serve/fields.py): accepted when they cannot change the output, else 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -48,6 +51,9 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +62,16 @@ class _SamplingRequest(BaseModel):
         if any(not s for s in strings):
             raise ValueError("stop strings must be non-empty")
         return stop
+
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured(self):
+        source = self.structured_outputs or self.response_format
+        return source.structured() if source is not None else None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -70,14 +86,24 @@ class _SamplingRequest(BaseModel):
     def _requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def check_fields(self) -> None:
+        """400 for a field this model does not declare that could change the output."""
+        check_fields(self.model_extra)
+
+    def _logprob_params(self) -> dict:
+        return {}
+
     def sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice (``n`` of them)."""
-        max_tokens = self._requested_max_tokens() or default_max_tokens
+        requested = self._requested_max_tokens()
+        max_tokens = default_max_tokens if requested is None else requested
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seeds = _choice_seeds(self.seed, self.n)
         return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                top_k=max(self.top_k, 0), seed=seed, stop=stop,
-                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                               skip_special_tokens=self.skip_special_tokens, structured=self.structured(),
+                               **self._logprob_params())
                 for seed in seeds]
 
 
@@ -91,7 +117,9 @@ def _choice_seeds(seed: int | None, n: int) -> list[int]:
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt's log-probabilities only (lm-eval)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -100,12 +128,14 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be an empty list")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo):
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens (0) returns nothing without echo; set echo true (the prompt and, with "
+                             "logprobs, its log-probabilities) or ask for at least one token", param="max_tokens")
+
+    def _logprob_params(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     def prompts(self) -> list[Prompt]:
         """The prompts of this request, in order: one text, one id list, or a list of either."""
@@ -117,7 +147,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
 
@@ -135,9 +165,25 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs true")
+        return self
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_fields(self) -> None:
+        check_fields(self.model_extra)
+        for i, message in enumerate(self.messages):
+            check_message_fields(i, message.model_extra)
+
+    def _logprob_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def prompts(self) -> list[Prompt]:
         messages = [{"role": m.role, "content": m.text()} for m in self.messages]

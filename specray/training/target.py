@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specray.comm.context import DistContext
+from specray.kv.geometry import POOL_KINDS
 from specray.models.attention import build_metadata
 from specray.models.decoder import CausalLM
 from specray.models.loader import load_model
@@ -38,8 +39,9 @@ class TargetFeatures:
         """(features [T, n * H] float32, greedy next token at each position [T])."""
         model, arch, dev = self.model, self.arch, self.ctx.device
         num_pages = -(-len(tokens) // PAGE_SIZE)
-        pools = [torch.zeros(num_pages, 2, model.num_local_kv_heads, PAGE_SIZE, arch.head_dim, device=dev)
-                 for _ in range(arch.num_layers)]
+        layout = model.kv_layout  # K and V per kv head, or MLA's latent rows
+        pools = [torch.zeros(num_pages, POOL_KINDS[layout.kind], layout.num_kv_heads, PAGE_SIZE, layout.head_dim,
+                             device=dev) for _ in range(arch.num_layers)]
         positions, meta = build_metadata([list(range(num_pages))], PAGE_SIZE, [0], [len(tokens)], dev)
         ids = torch.tensor(tokens, device=dev)
         hidden, captured = model(ids, positions, pools, meta, capture_layers=self.feature_layers)

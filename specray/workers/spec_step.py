@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specray.workers.logprobs import compute_prompt_logprobs
 from specray.workers.plan import StepPlan
 from specray.workers.sampling import probabilities, sample
 from specray.workers.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
@@ -68,15 +69,18 @@ class SpecRunner:
         inputs = [list(ids) + drafts.get(i, []) for i, ids in enumerate(plan.input_ids)]
         self.num_drafts = [len(drafts.get(i, [])) for i in range(len(inputs))]
         logits, features = self._score(plan, inputs, self.num_drafts)
-        out, offset, first_row = [], 0, 0
+        out, rows, offset, first_row = [], [], 0, 0
         for i, sid in enumerate(plan.seq_ids):
             nd = self.num_drafts[i]
-            new = self._verify(sid, logits[offset:offset + nd + 1], drafts.get(i, []), draft_probs.get(i))
+            rows.append(logits[offset:offset + nd + 1])
+            new = self._verify(sid, rows[-1], drafts.get(i, []), draft_probs.get(i))
             offset += nd + 1
             self._keep(i, sid, plan, len(new) - 1, features, first_row)
             first_row += len(inputs[i])
             self.tokens[sid].extend(new)
             out.append(new)
+        # verify row j holds the target's logits at the position of new token j (accepted or bonus)
+        self.worker.step_logprobs = self.worker.output_logprobs(plan.seq_ids, rows, out)
         return out
 
     def _draft_kv(self) -> tuple[list[torch.Tensor], int, dict[int, list[int]]]:
@@ -138,6 +142,9 @@ class SpecRunner:
         features = None
         if capture:
             hidden, captured = hidden
+        w.step_prompt_logprobs = compute_prompt_logprobs(
+            w.model, hidden, plan, lens, {sid: w.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
+        if capture:
             by_layer = dict(zip(capture, captured))
             features = torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
         elif layers:
@@ -147,6 +154,17 @@ class SpecRunner:
         return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
 
     def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
+        grammars = self.worker.grammars
+        if sid not in grammars.seqs:
+            return self._verify_rows(sid, logits, drafts, q)
+        # a constrained row: verify the drafts the grammar allows against masked logits
+        masked, num_allowed = grammars.mask_verify_rows(sid, logits, drafts)
+        new = self._verify_rows(sid, masked[:num_allowed + 1], drafts[:num_allowed],
+                                None if q is None else q[:num_allowed])
+        grammars.settle(sid, new)
+        return new
+
+    def _verify_rows(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
         params, gen = self.worker.samplers[sid]
         if not drafts:
             return [sample(logits[0], params, gen)]

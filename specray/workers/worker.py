@@ -16,21 +16,25 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
+from specray.workers.grammar import Grammars
+from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, rows_logprobs
 from specray.workers.plan import StepPlan
 from specray.workers.sampling import sample_rows
 from specray.workers.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import rank_kv_budget_bytes
-from specray.kv.geometry import KVLayout, PoolGeometry, allocate_pool
+from specray.kv.geometry import PoolGeometry, allocate_pool
 from specray.models.arch import ModelArch
-from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
+from specray.models.attention import build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.loader import load_model
-from specray.models.presets import resolve_model
+from specray.models.mla import mla_kernel_rule
+from specray.models.presets import is_preset, resolve_model
+from specray.models.tokenizer import load_tokenizer
 from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import release_cpu_malloc, tune_cpu_malloc
 from specray.workers.token_check import check_same_on_every_rank, fold
@@ -51,7 +55,10 @@ class RankWorker:
         self.geometry: dict[str, PoolGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.grammars = Grammars(self._tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
+        self.step_logprobs: list[list[TokenLogprob] | None] | None = None  # per row of the last step
+        self.step_prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # per sequence of the last step
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
         step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
@@ -71,6 +78,14 @@ class RankWorker:
         if self.ctx.device.type == "cpu":
             release_cpu_malloc()  # what the tuned malloc kept of them (workers/cpu_malloc.py)
 
+    def _tokenizer(self):
+        """The model's tokenizer (for grammars), or None when it has none."""
+        try:
+            return load_tokenizer(resolve_model(self.config.model, self.config.seed),
+                                  is_byte_level=is_preset(self.config.model))
+        except ValueError:
+            return None
+
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
         cfg, ctx = self.config, self.ctx
@@ -89,7 +104,7 @@ class RankWorker:
         """What this rank tells rank 0: its KV budget, kernels' page sizes and KV layouts."""
         cfg, ctx, arch = self.config, self.ctx, self.arch
         fraction = float(rank_value("SPECRAY_KV_MEMORY_FRACTION", ctx.rank) or cfg.kv.memory_fraction)
-        layout = KVLayout(arch.num_layers, self.model.num_local_kv_heads, arch.head_dim)
+        layout = self.model.kv_layout  # kind kv (K and V per kv head) or latent (MLA: one row per token)
         draft_layout, draft_kernels = None, {}
         if self.drafter is not None and self.drafter.is_standalone:
             draft_layout = self.drafter.kv_layout
@@ -99,14 +114,21 @@ class RankWorker:
         elif self.drafter is not None and self.drafter.kv_layout is not None:
             # one-model drafter: its layers live in the target pool (a pool-less one adds nothing)
             own = self.drafter.kv_layout
-            if (own.num_kv_heads, own.head_dim) != (layout.num_kv_heads, layout.head_dim):
-                raise ValueError(f"{cfg.spec.method} layers need {own.num_kv_heads} kv heads of {own.head_dim} "
-                                 f"per rank to share the target pool, which has {layout.num_kv_heads} of "
-                                 f"{layout.head_dim}")
+            if (own.kind, own.num_kv_heads, own.head_dim) != (layout.kind, layout.num_kv_heads, layout.head_dim):
+                raise ValueError(f"{cfg.spec.method} layers need a {own.kind} pool of {own.num_kv_heads} kv heads of "
+                                 f"{own.head_dim} per rank to share the target pool, which is {layout.kind} with "
+                                 f"{layout.num_kv_heads} of {layout.head_dim}")
             layout = replace(layout, num_layers=layout.num_layers + own.num_layers)
         budget = rank_kv_budget_bytes(fraction, cfg.kv, ctx.device, ctx.num_ranks_on_host)
+        target_kernels = self.model.kernel_page_sizes
+        mla_kernel = rank_value("SPECRAY_MLA_KERNEL", ctx.rank)
+        if mla_kernel:  # a named MLA decode kernel's page rule (the CPU path computes either way)
+            if arch.mla is None:
+                raise ValueError(f"SPECRAY_MLA_KERNEL={mla_kernel!r} names an MLA decode kernel, and "
+                                 f"{arch.architecture} has no MLA layers")
+            target_kernels = mla_kernel_rule(mla_kernel)
         return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
-                          target_kernels={"paged_attention": PAGED_ATTENTION_PAGE_SIZES},
+                          target_kernels=target_kernels,
                           draft_layout=draft_layout, draft_kernels=draft_kernels)
 
     @property
@@ -119,11 +141,14 @@ class RankWorker:
         for sid in plan.finished:
             self.block_tables.pop(sid, None)
             self.samplers.pop(sid, None)
+            self.grammars.drop(sid)
         for sid in plan.preempted:
             self.block_tables[sid] = []
         for sid, (params, seed) in plan.new_seqs.items():
             gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
             self.samplers[sid] = (params, gen)
+            if params.structured is not None:
+                self.grammars.add(sid, params.structured)
         for sid, (num_blocks, _) in plan.truncated.items():  # rollback of rejected drafts
             del self.block_tables.setdefault(sid, [])[num_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_blocks):
@@ -152,9 +177,20 @@ class RankWorker:
                                      "(steps, token digest) at the end of the generate call")
         return tokens
 
+    def num_top(self, sid: int, prompt: bool = False) -> int | None:
+        """How many top log-probabilities sequence ``sid`` asked for (None: none at all)."""
+        params = self.samplers[sid][0]
+        return params.prompt_logprobs if prompt else params.logprobs
+
+    def output_logprobs(self, seq_ids: list[int], rows: list, tokens: list[list[int]]) -> list | None:
+        """Per sequence, the log-probabilities of its new tokens (row j of ``rows[i]`` predicts
+        ``tokens[i][j]``), or None when no sequence of the step asked: then nothing is computed."""
+        return rows_logprobs(rows, tokens, [self.num_top(sid) for sid in seq_ids])
+
     @torch.inference_mode()
     def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
         self._apply_deltas(plan)
+        self.step_logprobs, self.step_prompt_logprobs = None, {}
         if self.spec is not None:
             return self.spec.execute(plan)
         if not plan.seq_ids:
@@ -165,7 +201,14 @@ class RankWorker:
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         hidden = self.model(ids, positions, self.pools, meta)
+        self.step_prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden, plan, query_lens, {sid: self.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
             hidden = hidden[last_rows(query_lens, hidden.device)]
         logits = self.model.logits(hidden)
-        return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
+        tokens = sample_rows(self.grammars.masked(plan.seq_ids, logits), [self.samplers[sid] for sid in plan.seq_ids])
+        if self.grammars.seqs:
+            for sid, token in zip(plan.seq_ids, tokens):
+                self.grammars.accept(sid, token)
+        self.step_logprobs = self.output_logprobs(plan.seq_ids, logits[:, None], [[t] for t in tokens])
+        return tokens

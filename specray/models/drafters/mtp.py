@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from specray.comm.context import DistContext
-from specray.kv.geometry import KVLayout
 from specray.models.arch import ModelArch, arch_from_hf_config
 from specray.models.attention import build_metadata
 from specray.models.decoder import CausalLM, DecoderLayer
 from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, last_rows
 from specray.models.drafters.mtp_format import DEEPSEEK_V3, MTPFormat, read_mtp_format
-from specray.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding
+from specray.models.layers import ParallelLMHead, RMSNorm
+from specray.models.mla import rotary_for
 from specray.models.loader import CheckpointReader
 
 
@@ -106,10 +106,10 @@ class MTPDrafter(nn.Module):
         a = fmt.arch
         self.fmt = fmt
         self.target = [target]  # a list so the target's modules are not registered twice
-        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, ctx.device)
+        self.rotary = rotary_for(a, ctx.device)  # the target's RoPE (YaRN on DeepSeek-V3)
         # draft j uses module min(j, n - 1): only the first min(k, n) are ever run, or given KV
         self.mtp = nn.ModuleList(MTPModule(fmt, i, ctx, dtype) for i in range(min(k, fmt.num_modules)))
-        self.kv_layout = KVLayout(len(self.mtp), self.mtp[0].block.self_attn.num_local_kv_heads, a.head_dim)
+        self.kv_layout = self.mtp[0].block.self_attn.layout(len(self.mtp))  # K/V or latent rows, as the target
 
     @torch.no_grad()
     def load(self, reader) -> None:

@@ -10,8 +10,9 @@ and shapes of their tensors. Two published layouts are read:
   pre_fc_norm_hidden, fc, norm}`` (zero-centred norms, ``x * (1 + w)``) and the target's
   embedding and LM head.
 
-The decoder block is the target family's (Llama, Qwen3: q/k norms; MoE when the block has a
-router, ``{mlp prefix}.gate.weight``, as DeepSeek-V3's and Qwen3-Next's MTP blocks do).
+The decoder block is the target family's (Llama, Qwen3: q/k norms; DeepSeek-V3 / Kimi-K2: MLA
+attention whose KV is latent rows in the target's pool; MoE when the block has a router,
+``{mlp prefix}.gate.weight``, as DeepSeek-V3's and Qwen3-Next's MTP blocks do).
 Qwen3-Next's own attention (output gate) and linear-attention layers are not specray target
 families: its layout is read for Qwen3 / Qwen3-MoE blocks, whose own norms are the family's.
 
@@ -103,14 +104,31 @@ def expected_tensors(fmt: MTPFormat) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def mla_tensors(prefix: str, arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """An MLA attention's tensors (DeepSeek-V3; a plain q_proj when q_lora_rank is null)."""
+    m, h, heads, a = arch.mla, arch.hidden_size, arch.num_heads, f"{prefix}.self_attn"
+    out = {f"{a}.kv_a_proj_with_mqa.weight": (m.latent_dim, h), f"{a}.kv_a_layernorm.weight": (m.kv_lora_rank,),
+           f"{a}.kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+           f"{a}.o_proj.weight": (h, heads * m.v_head_dim)}
+    if m.q_lora_rank is None:
+        out[f"{a}.q_proj.weight"] = (heads * m.qk_head_dim, h)
+    else:
+        out.update({f"{a}.q_a_proj.weight": (m.q_lora_rank, h), f"{a}.q_a_layernorm.weight": (m.q_lora_rank,),
+                    f"{a}.q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank)})
+    return out
+
+
 def block_tensors(prefix: str, arch: ModelArch, is_moe: bool) -> dict[str, tuple[int, ...]]:
     """A decoder block's tensors in Hugging Face names (dense MLP or routed experts)."""
     h, hd = arch.hidden_size, arch.head_dim
-    out = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
-           f"{prefix}.self_attn.q_proj.weight": (arch.num_heads * hd, h),
-           f"{prefix}.self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
-           f"{prefix}.self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
-           f"{prefix}.self_attn.o_proj.weight": (h, arch.num_heads * hd)}
+    out = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
+    if arch.mla is not None:
+        out.update(mla_tensors(prefix, arch))
+    else:
+        out.update({f"{prefix}.self_attn.q_proj.weight": (arch.num_heads * hd, h),
+                    f"{prefix}.self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
+                    f"{prefix}.self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
+                    f"{prefix}.self_attn.o_proj.weight": (h, arch.num_heads * hd)})
     if arch.family.has_qk_norm:
         out.update({f"{prefix}.self_attn.q_norm.weight": (hd,), f"{prefix}.self_attn.k_norm.weight": (hd,)})
     if not is_moe:
@@ -121,6 +139,13 @@ def block_tensors(prefix: str, arch: ModelArch, is_moe: bool) -> dict[str, tuple
     m, inter = f"{prefix}.{arch.family.moe_prefix}", arch.moe_intermediate_size
     g, u, d = arch.family.expert_names
     out[f"{m}.gate.weight"] = (arch.num_experts, h)
+    if arch.router is not None:  # DeepSeekMoE: the choice bias and the shared experts
+        out[f"{m}.gate.e_score_correction_bias"] = (arch.num_experts,)
+        if arch.router.num_shared_experts:
+            shared = inter * arch.router.num_shared_experts
+            out.update({f"{m}.shared_experts.gate_proj.weight": (shared, h),
+                        f"{m}.shared_experts.up_proj.weight": (shared, h),
+                        f"{m}.shared_experts.down_proj.weight": (h, shared)})
     for e in range(arch.num_experts):
         out.update({f"{m}.experts.{e}.{g}.weight": (inter, h), f"{m}.experts.{e}.{u}.weight": (inter, h),
                     f"{m}.experts.{e}.{d}.weight": (h, inter)})
