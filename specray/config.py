@@ -124,6 +124,8 @@ class KVConfig:
     """Fraction of the memory free after loading the weights that the KV pools may take."""
     cpu_max_bytes: int = 2 << 30
     """On CPU, never give the KV pools more than this, whatever the free memory."""
+    enable_prefix_caching: bool = True
+    """Share full pages of verified tokens between requests with the same prefix (every pool)."""
 
     def __post_init__(self) -> None:
         b = self.tokens_per_block
@@ -230,6 +232,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the output text."""
+    cache_salt: str | None = None
+    """Prefix-cache isolation: pages are shared only between requests with the same salt."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,

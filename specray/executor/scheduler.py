@@ -24,6 +24,18 @@ allocated all the same and the rollback frees what the shorter draft left empty;
 verified no draft is a plain decode step and is not counted as a verify step. A
 standalone drafter's pool has its own allocator and page size; a sequence runs only when
 both pools have its pages, and preemption and finishing release both.
+
+Prefix caching (``prefix_pools`` given, kv/prefix_cache.py): on admission the request's
+prompt (its tokens so far, after a preemption) is looked up in every pool at once and the
+hit is one token count for all of them (``shared_hit_length``); the hit pages join the block
+tables, ``num_computed`` starts there and the plan carries the cached tokens
+(``cached_prefix``) so the ranks' drafters start from them. The first step after a hit is a
+prefill row even when it computes a single token, as the cold run's first step is. After
+every step each pool publishes its pages that hold only verified KV: the target pool below
+``num_computed`` (and, when a one-model drafter's layers live in it, below what the drafter
+has consumed), a standalone drafter's pool below what it has consumed
+(``num_draft_valid``). Freed pages (finish, abort, preemption, rollback) go back through the
+allocator, which keeps the published ones cached.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from specray.config import SamplingParams
 from specray.executor.spec_metrics import SpecCounters
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator, blocks_needed
+from specray.kv.prefix_cache import CachedPool, find_hit
 
 
 @dataclass(slots=True)
@@ -65,6 +78,12 @@ class Sequence:
     accepted_counts: list[int] = field(default_factory=list)  # drafts accepted, per verify step
     draft_counts: list[int] = field(default_factory=list)  # drafts proposed, per verify step
     num_decode_steps: int = 0  # steps that decoded it, with drafts or without (not its prefills)
+    cache_salt: str | None = None  # pages are shared only between requests of the same salt
+    num_cached_tokens: int = 0  # prefix hit at its first admission
+    num_draft_valid: int = 0  # positions whose drafter KV is surely written (a lower bound)
+    page_keys: list[list] = field(default_factory=list)  # per prefix pool: keys of its published prefix
+    is_sent: bool = False  # the ranks know its sampling params
+    is_prefilling: bool = False  # admitted with a hit and not stepped yet: a prefill row
 
     @property
     def output_ids(self) -> list[int]:
@@ -98,8 +117,12 @@ class Sequence:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, tokens_per_block: int, max_num_seqs: int,
                  max_num_batched_tokens: int, lookahead_tokens: int = 0, num_draft_tokens: int = 0,
-                 draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0):
+                 draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0,
+                 prefix_pools: list[CachedPool] | None = None, drafter_kv: str | None = None):
         self.allocator = allocator
+        # prefix caching: the target pool first, then a standalone drafter's; None: off
+        self.prefix_pools = prefix_pools or []
+        self.drafter_kv = drafter_kv  # where the drafter keeps KV: "target", "draft" or None
         self.draft_allocator = draft_allocator  # a standalone drafter's pool, else None
         self.draft_tokens_per_block = draft_tokens_per_block
         self.num_draft_tokens = num_draft_tokens
@@ -164,6 +187,7 @@ class Scheduler:
             self.draft_allocator.free(seq.draft_block_table)
         seq.draft_block_table = []
         seq.num_draft_blocks_sent = 0
+        seq.num_draft_valid, seq.page_keys, seq.is_prefilling = 0, [], False
         self._truncated.pop(seq.seq_id, None)
 
     def _preempt_latest(self) -> Sequence:
@@ -190,16 +214,61 @@ class Scheduler:
         num_tokens = sum(s.num_uncomputed for s in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit, hit_pages, keys = self._find_hit(seq)
             need = self._pages_for(seq, self.lookahead_tokens)
-            over_budget = num_tokens + seq.num_uncomputed > self.max_num_batched_tokens
-            if not self._fits(need) or (over_budget and self.running):
+            need = (need[0] - len(hit_pages[0]), need[1] - (len(hit_pages[1]) if len(hit_pages) > 1 else 0))
+            revive = [pool.allocator.num_to_revive(p) for pool, p in zip(self.prefix_pools, hit_pages)] + [0, 0]
+            over_budget = num_tokens + seq.num_uncomputed - hit > self.max_num_batched_tokens
+            if not self._fits((need[0] + revive[0], need[1] + revive[1])) or (over_budget and self.running):
                 break
             self.waiting.popleft()
+            self._take_hit(seq, hit, hit_pages, keys)
             self._grant(seq, need)
             seq.admitted_at = next(self._admissions)
             self.running.append(seq)
             num_tokens += seq.num_uncomputed
         return self._plan()
+
+    def _find_hit(self, seq: Sequence) -> tuple[int, list[list[int]], list[list]]:
+        if not self.prefix_pools:
+            return 0, [[]], [[]]
+        return find_hit(self.prefix_pools, seq.token_ids, seq.cache_salt)
+
+    def _take_hit(self, seq: Sequence, hit: int, pages: list[list[int]], keys: list[list]) -> None:
+        """The hit pages start the block tables; the drafter's cache starts there too."""
+        for pool, p in zip(self.prefix_pools, pages):
+            pool.allocator.acquire(p)
+            pool.num_query_tokens += len(seq.token_ids)
+            pool.num_hit_tokens += hit
+        seq.page_keys = keys if self.prefix_pools else []
+        if not self.prefix_pools:
+            return
+        seq.block_table = list(pages[0])
+        if self.draft_allocator is not None:
+            seq.draft_block_table = list(pages[1])
+        seq.num_computed = seq.num_draft_valid = hit
+        seq.is_prefilling = hit > 0
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit
+
+    def _publish(self, seq: Sequence) -> None:
+        """Publish each pool's pages that now hold only verified KV (module docstring)."""
+        if not self.prefix_pools:
+            return
+        valid = [seq.num_computed if self.drafter_kv != "target" else min(seq.num_computed, seq.num_draft_valid)]
+        tables = [seq.block_table]
+        if self.draft_allocator is not None:
+            valid.append(seq.num_draft_valid)
+            tables.append(seq.draft_block_table)
+        seq.page_keys = [pool.publish(table, keys, seq.token_ids, n, seq.cache_salt) for pool, table, keys, n
+                         in zip(self.prefix_pools, tables, seq.page_keys or [[]] * len(tables), valid)]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (keys dropped; pages in use stay with their requests and are
+        published again as they run). Returns the keys dropped over every pool."""
+        for seq in self.running:
+            seq.page_keys = []
+        return sum(pool.allocator.reset() for pool in self.prefix_pools)
 
     def _plan(self) -> StepPlan:
         plan = StepPlan(preempted=self._preempted, finished=self._finished, truncated=self._truncated)
@@ -210,11 +279,15 @@ class Scheduler:
             plan.start_positions.append(seq.num_computed)
             plan.new_blocks.append(seq.block_table[seq.num_blocks_sent:])
             seq.num_blocks_sent = len(seq.block_table)
-            if seq.num_computed == 0 and seq.num_preemptions == 0:
+            if not seq.is_sent:
                 plan.new_seqs[seq.seq_id] = (seq.params, seq.seed)
+                seq.is_sent = True
+            if seq.is_prefilling and seq.num_computed:
+                plan.cached_prefix[seq.seq_id] = seq.token_ids[:seq.num_computed]
             if self.num_draft_tokens:
                 # only a decoding sequence drafts; a (re)computed prompt runs on the target alone
-                seq.num_drafts_fed = self.num_draft_tokens if seq.num_uncomputed == 1 else 0
+                is_decoding = seq.num_uncomputed == 1 and not seq.is_prefilling
+                seq.num_drafts_fed = self.num_draft_tokens if is_decoding else 0
                 plan.num_drafts.append(seq.num_drafts_fed)
             if self.draft_allocator is not None:
                 plan.new_draft_blocks.append(seq.draft_block_table[seq.num_draft_blocks_sent:])
@@ -231,6 +304,10 @@ class Scheduler:
         for seq, new, proposed in zip(list(self.running), tokens, num_drafts):
             new = new if isinstance(new, list) else [new]
             seq.num_decode_steps += 1 if seq.num_drafts_fed else 0
+            if seq.num_drafts_fed and self.drafter_kv is not None:
+                # the drafter consumed every position before the fed token (spec_step.py)
+                seq.num_draft_valid = max(seq.num_draft_valid, len(seq.token_ids) - 1)
+            seq.is_prefilling = False
             if proposed:  # a step that verified no draft was a plain decode step (as vLLM counts)
                 seq.accepted_counts.append(len(new) - 1)
                 seq.draft_counts.append(proposed)
@@ -241,6 +318,7 @@ class Scheduler:
                 seq.append(token)
                 if seq.is_finished:
                     break
+            self._publish(seq)
             if seq.is_finished:
                 self._release(seq)
                 self._finished.append(seq.seq_id)

@@ -48,6 +48,8 @@ class SpecRunner:
                 state.pop(sid, None)
         for sid in plan.preempted:
             self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, None
+        for sid, prefix in plan.cached_prefix.items():  # a prefix hit: the drafter's KV is cached there too
+            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), None
         for sid, (_, num_draft_blocks) in plan.truncated.items():
             del self.draft_tables.setdefault(sid, [])[num_draft_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
