@@ -21,6 +21,10 @@ positions its cache holds, and the target features of positions it has not consu
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
 from specray.workers.plan import StepPlan
@@ -41,6 +45,8 @@ class SpecRunner:
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
         self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
+        log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
+        self._draft_log = Path(log_dir) / f"rank{worker.ctx.rank}.drafts" if log_dir else None
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:
@@ -77,6 +83,9 @@ class SpecRunner:
             offset += nd + 1
             self._keep(i, sid, plan, len(new) - 1, features, first_row)
             first_row += len(inputs[i])
+            if self._draft_log is not None and i in drafts:
+                with self._draft_log.open("a") as f:
+                    f.write(json.dumps([sid, len(self.tokens[sid]), drafts[i], len(new) - 1]) + "\n")
             self.tokens[sid].extend(new)
             out.append(new)
         return out
