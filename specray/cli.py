@@ -68,6 +68,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="token capacity of each pool (default: sized from free memory)")
     g.add_argument("--kv-memory-fraction", type=float, default=kv.memory_fraction,
                    help="fraction of free memory the pools may take")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=kv.enable_prefix_caching,
+                   help="share cached pages of common prompt prefixes (every pool; --no-enable-prefix-caching: off)")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--spec", default=s.method, choices=SPEC_METHODS, help="drafting method (default: plain)")
     g.add_argument("--draft-model", default=s.draft_model, help="drafter preset or checkpoint directory")
@@ -112,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 placement_timeout_s=args.placement_timeout_s,
                                 failure_timeout_s=args.failure_timeout_s),
         kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,
-                    memory_fraction=args.kv_memory_fraction),
+                    memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching),
         spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                         force_accepted_tokens=args.force_accepted_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,

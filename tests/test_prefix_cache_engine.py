@@ -34,9 +34,9 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefix")
-    # 6 heads, 3 kv heads and an MLP of 192 so that tp 3 divides them
+    # 6 heads, 6 kv heads and an MLP of 192: tp 2 and tp 3 divide them
     target = make_checkpoint("llama", root / "target", seed=3, num_hidden_layers=3, hidden_size=96,
-                             num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
+                             num_attention_heads=6, num_key_value_heads=6, intermediate_size=192)
     drafters = {m: write_drafter_for(target, m, root / m) for m in METHODS if m not in (None, "ngram")}
     return target, drafters
 

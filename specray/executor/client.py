@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from specray.executor.outputs import AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput
+from specray.executor.outputs import AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput, ResetPrefixCache
 
 
 class RequestStream:
@@ -99,6 +99,11 @@ class EngineClient:
         """Ask rank 0 to abort; each stream still open ends with an "abort" delta."""
         if self.error is None and request_ids:
             self._send(AbortRequests(list(request_ids)))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask rank 0 to forget every cached page; requests sent after this call see an empty cache."""
+        if self.error is None:
+            self._send(ResetPrefixCache())
 
     def discard(self, request_ids: list[str]) -> None:
         """Stop routing deltas to these streams (their reader left)."""

@@ -230,14 +230,17 @@ class EngineCore:
         return metrics
 
     def stats(self) -> EngineStats:
-        """A snapshot: requests running and waiting, pages in use per pool, the spec counters."""
+        """A snapshot: requests running and waiting, pages in use per pool (cached free pages count
+        as free), the spec counters, the prefix cache's counters per pool."""
         s = self.scheduler
         usage = {"target": 1 - self.allocator.num_free / self.allocator.num_blocks}
         if self.draft_allocator is not None:
             usage["draft"] = 1 - self.draft_allocator.num_free / self.draft_allocator.num_blocks
         c = s.spec_counters
         return EngineStats(len(s.running), len(s.waiting), usage, c.num_drafts, c.num_draft_tokens,
-                           c.num_accepted_tokens, list(c.accepted_per_position))
+                           c.num_accepted_tokens, list(c.accepted_per_position),
+                           {p.name: p.num_query_tokens for p in self.prefix_pools},
+                           {p.name: p.num_hit_tokens for p in self.prefix_pools})
 
     def close(self) -> None:
         if self.channel is not None and not self.is_broken:

@@ -48,6 +48,7 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation (vLLM's field)
 
     @field_validator("stop")
     @classmethod
@@ -77,7 +78,8 @@ class _SamplingRequest(BaseModel):
         seeds = _choice_seeds(self.seed, self.n)
         return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                top_k=max(self.top_k, 0), seed=seed, stop=stop,
-                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                               cache_salt=self.cache_salt)
                 for seed in seeds]
 
 
