@@ -47,6 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=e.device, help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
+                   help="tokens one step computes: decode and verify rows first, prefill chunks fill the rest")
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel ranks, the world size (default: WORLD_SIZE under torchrun, else 1)")
@@ -109,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags describe; raises ValueError naming a bad value."""
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         parallel=ParallelConfig(tp_size=args.tp or _torchrun_world_size(), moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
                                 launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s,
                                 placement_strategy=args.placement_strategy,

@@ -268,7 +268,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     """Requests decoded together in one step."""
     max_num_batched_tokens: int = 8192
-    """Tokens one forward may take (prefill chunks are not split: a longer prompt runs alone)."""
+    """Tokens one step computes: decode and verify rows (1 + k each) first, prefill chunks fill the
+    rest, so a long prompt is split into chunks and never stalls the decoding requests for long."""
     seed: int = 0
     """Seeds the preset weights and the per-request seeds that are not given."""
 

@@ -157,7 +157,7 @@ KINDS = {"plain": (None, None, 0), "ngram": (None, None, 0), "draft_model": (32,
 
 
 def make_scheduler(kind: str, page: int, draft_page: int | None = None, num_blocks: int = 64, k: int = 3,
-                   max_num_seqs: int = 8):
+                   max_num_seqs: int = 8, budget: int = 1 << 20):
     default_draft, drafter_kv, shift = KINDS[kind]
     draft_page = draft_page or default_draft
     target = PrefixCachingAllocator(num_blocks)
@@ -167,7 +167,7 @@ def make_scheduler(kind: str, page: int, draft_page: int | None = None, num_bloc
         draft = PrefixCachingAllocator(num_blocks * page // draft_page)
         pools.append(CachedPool("draft", draft, draft_page))
     k = 0 if kind == "plain" else k
-    return Scheduler(target, page, max_num_seqs, 1 << 20, num_draft_tokens=k, draft_allocator=draft,
+    return Scheduler(target, page, max_num_seqs, budget, num_draft_tokens=k, draft_allocator=draft,
                      draft_tokens_per_block=draft_page or 0, prefix_pools=pools, drafter_kv=drafter_kv)
 
 
@@ -175,11 +175,26 @@ def step(sched: Scheduler, rng: random.Random, vocab: int = 50):
     """One step with made-up tokens: a drafting row accepts a random number of its k drafts."""
     plan = sched.schedule()
     tokens = []
-    for seq in sched.running:
+    for sid, seq in zip(plan.seq_ids, [seq for seq in sched.running if seq.seq_id in plan.seq_ids]):
+        assert seq.seq_id == sid
+        if sid in plan.partial:
+            tokens.append(None)
+            continue
         n = rng.randint(0, seq.num_drafts_fed) if seq.num_drafts_fed else 0
         tokens.append([rng.randrange(vocab) for _ in range(n + 1)])
     sched.finish_step(tokens)
+    check_budget(sched, plan)
     return plan
+
+
+def check_budget(sched: Scheduler, plan) -> None:
+    """Prefill chunks fit in what the decode and verify rows (1 + k each) leave of the budget."""
+    k = sched.num_draft_tokens
+    decode = sum(1 + (k if n else 0) for n, ids in zip(plan.num_drafts or [0] * len(plan.input_ids),
+                                                         plan.input_ids) if len(ids) == 1 and n)
+    prefill = sum(len(ids) for n, ids in zip(plan.num_drafts or [0] * len(plan.input_ids), plan.input_ids)
+                  if not (len(ids) == 1 and n))
+    assert prefill == 0 or decode + prefill <= sched.max_num_batched_tokens
 
 
 def check_published(sched: Scheduler) -> None:
@@ -288,14 +303,15 @@ def test_plain_decoding_hits_after_a_one_token_request_and_salts_isolate():
 
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(sorted(KINDS)), page=st.sampled_from([16, 32]), num_blocks=st.integers(6, 14),
-       seed=st.integers(0, 10**6), ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort", "reset"]),
+       budget=st.sampled_from([5, 16, 37, 1 << 20]), seed=st.integers(0, 10**6), ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort", "reset"]),
                                                  min_size=5, max_size=60))
-def test_scheduler_pools_keep_their_invariants(kind, page, num_blocks, seed, ops):
+def test_scheduler_pools_keep_their_invariants(kind, page, num_blocks, budget, seed, ops):
     """Random traffic on tiny pools: requests share prefixes (a small alphabet and a common
-    stem), steps accept random draft counts, requests are preempted, aborted and the cache
-    reset; every pool's invariants hold after each operation and every page comes back."""
+    stem), steps accept random draft counts, prompts are chunked by a token budget, requests
+    are preempted, aborted and the cache reset; every pool's invariants hold after each
+    operation, prefill chunks stay within the budget, and every page comes back."""
     rng = random.Random(seed)
-    sched = make_scheduler(kind, page, num_blocks=num_blocks, max_num_seqs=3)
+    sched = make_scheduler(kind, page, num_blocks=num_blocks, max_num_seqs=3, budget=budget)
     capacity = num_blocks * page
     stem = [rng.randrange(3) for _ in range(2 * page)]
     seqs, sid = [], 0

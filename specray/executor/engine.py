@@ -159,7 +159,8 @@ class EngineCore:
         return deltas
 
     def step(self) -> list[RequestDelta]:
-        """One step of every scheduled request; a delta for each (each got at least one token)."""
+        """One step of every scheduled request; a delta for each that got a token (a partial
+        prefill chunk gets none)."""
         if self.is_broken:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         try:
@@ -170,7 +171,7 @@ class EngineCore:
             self.is_broken = True
             raise
         self._needs_settle = True
-        return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids]
+        return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids if sid not in plan.partial]
 
     def settle(self) -> None:
         """When the work runs out: the call-end plan lets the ranks forget the last finished

@@ -79,9 +79,12 @@ class SpecRunner:
         out, offset, first_row = [], 0, 0
         for i, sid in enumerate(plan.seq_ids):
             nd = self.num_drafts[i]
-            new = self._verify(sid, logits[offset:offset + nd + 1], drafts.get(i, []), draft_probs.get(i))
+            if sid in plan.partial:  # a prefill chunk short of the end: its features are kept, no sample
+                new = []
+            else:
+                new = self._verify(sid, logits[offset:offset + nd + 1], drafts.get(i, []), draft_probs.get(i))
             offset += nd + 1
-            self._keep(i, sid, plan, len(new) - 1, features, first_row)
+            self._keep(i, sid, plan, max(len(new) - 1, 0), features, first_row)
             first_row += len(inputs[i])
             if self._draft_log is not None and i in drafts:
                 with self._draft_log.open("a") as f:

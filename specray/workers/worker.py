@@ -158,5 +158,10 @@ class RankWorker:
         hidden = self.model(ids, positions, self.pools, meta)
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
             hidden = hidden[last_rows(query_lens, hidden.device)]
-        logits = self.model.logits(hidden)
-        return sample_rows(logits, [self.samplers[sid] for sid in plan.seq_ids])
+        if not plan.partial:
+            return sample_rows(self.model.logits(hidden), [self.samplers[sid] for sid in plan.seq_ids])
+        # a partial prefill chunk samples nothing (its generator must not move)
+        rows = [i for i, sid in enumerate(plan.seq_ids) if sid not in plan.partial]
+        sampled = iter(sample_rows(self.model.logits(hidden[rows]), [self.samplers[plan.seq_ids[i]] for i in rows])
+                       if rows else [])
+        return [None if sid in plan.partial else next(sampled) for sid in plan.seq_ids]
