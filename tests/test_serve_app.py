@@ -42,6 +42,8 @@ class Stats:
     num_draft_tokens: int = 12
     num_accepted_tokens: int = 5
     accepted_per_position: list = None
+    prefix_cache_queries: dict = None
+    prefix_cache_hits: dict = None
 
 
 class EchoEngine:
@@ -106,14 +108,16 @@ def test_completion_returns_text_and_usage(client):
     assert body["object"] == "text_completion"
     assert [c["text"] for c in body["choices"]] == ["cde"]
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_n_choices_get_consecutive_seeds_and_prompt_tokens_count_once(client, engine):
     body = client.post("/v1/completions", json=dict(model="m", prompt=[5, 6], max_tokens=2, n=3, seed=7)).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert sorted(p.seed for p in engine.seen_params) == [7, 8, 9]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stream_frames_role_text_finish_usage_and_done(client):

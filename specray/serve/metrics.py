@@ -67,7 +67,7 @@ class EngineStatsCollector:
                                   ("prefix_cache_hits", "prompt tokens served from the prefix cache",
                                    stats.prefix_cache_hits)):
             family = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "pool"])
-            for pool, count in sorted(values.items()):
+            for pool, count in sorted((values or {}).items()):
                 family.add_metric([self._model, pool], count)
             yield family
 

@@ -54,6 +54,7 @@ class RankWorker:
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
+        self.table_digest = 0  # crc32 of the block tables of every step's rows (prefix hits share pages)
         step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
         self._step_file = Path(step_dir) / f"rank{ctx.rank}.steps" if step_dir else None
         self.barrier_waits = BarrierWaits.for_device(ctx.device)  # spin or sleep at OpenMP barriers
@@ -134,13 +135,14 @@ class RankWorker:
         if tokens:
             self.num_steps += 1
             self.token_digest = fold(self.token_digest, tokens)
+            self.table_digest = fold(self.table_digest, [self.block_tables[sid] for sid in plan.seq_ids])
             if self._step_file is not None:  # lets a test act while a call is surely in progress
                 self._step_file.write_text(str(self.num_steps))
             if self.config.parallel.check_every_step:
                 check_same_on_every_rank(self.ctx.cpu, (plan.seq_ids, tokens), f"step {self.num_steps} tokens")
         if plan.is_call_end:
-            check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest),
-                                     "(steps, token digest) at the end of the generate call")
+            check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest, self.table_digest),
+                                     "(steps, token digest, block-table digest) at the end of the generate call")
         return tokens
 
     @torch.inference_mode()
