@@ -50,7 +50,7 @@ def post(url: str, body: dict) -> dict:
 
 
 def tokenize(url: str, text: str) -> list[int]:
-    return post(url + "/tokenize", {"prompt": text})["tokens"]
+    return post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
 
 
 def text_of(num_words: int, offset: int = 0) -> str:
@@ -59,13 +59,14 @@ def text_of(num_words: int, offset: int = 0) -> str:
 
 async def stream(client, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict:
     start = time.perf_counter()
-    stamps, usage = [], None
+    stamps, usage, text = [], None, ""
     extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
     async for chunk in await client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
                                                        temperature=0, stream=True, extra_body=extra,
                                                        stream_options={"include_usage": True}):
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
+            text += chunk.choices[0].text
         if chunk.usage is not None:
             usage = chunk.usage
     end = time.perf_counter()
@@ -74,7 +75,8 @@ async def stream(client, prompt: list[int], max_tokens: int, salt: str | None = 
     n = usage.completion_tokens
     return dict(ttft_s=first - start, tpot_s=(end - first) / (n - 1) if n > 1 else float("nan"),
                 max_itl_s=max(gaps, default=0.0), prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.prompt_tokens_details.cached_tokens, start=start, end=end, stamps=stamps)
+                cached_tokens=usage.prompt_tokens_details.cached_tokens, start=start, end=end, stamps=stamps,
+                text=text)
 
 
 def spec_al(server) -> tuple[float, float]:
@@ -93,7 +95,11 @@ def summary(rows: list[dict]) -> dict:
 
 
 def serve(engine_args: list[str], *flags: str, log: Path):
-    return start_server(log, *engine_args, "--served-model-name", "m", "--tokens-per-block", str(PAGE), *flags)
+    """A server, warmed up by one short request (the first step of a process pays one-off costs)."""
+    server = start_server(log, *engine_args, "--served-model-name", "m", "--tokens-per-block", str(PAGE), *flags)
+    post(server.url + "/v1/completions", {"model": "m", "prompt": "warm up", "max_tokens": 4,
+                                          "cache_salt": "warm-up"})
+    return server
 
 
 async def shared_prefix(args, log_dir: Path) -> dict:
@@ -146,9 +152,7 @@ async def multi_turn(args, log_dir: Path) -> dict:
             for t in range(args.turns):
                 history = history + tokenize(server.url, f" user turn {t}: " + text_of(40, 11 * t))
                 row = await stream(client, history, args.max_tokens)
-                out = await client.completions.create(model="m", prompt=history, max_tokens=args.max_tokens,
-                                                      temperature=0, extra_body={"ignore_eos": True})
-                history = history + tokenize(server.url, out.choices[0].text)
+                history = history + tokenize(server.url, row["text"])
                 turns.append(dict(ttft_s=row["ttft_s"], prompt_tokens=row["prompt_tokens"],
                                   cached_tokens=row["cached_tokens"]))
             await client.close()

@@ -19,12 +19,11 @@ import torch
 from test_prefix_cache_engine import ckpt, config  # noqa: F401 (fixture)
 
 from specray import LLM, SamplingParams
-from specray.config import EngineConfig
 
 METHODS = (None, "ngram", "draft_model", "eagle3", "dflash", "dspark", "mtp")
 PROMPTS = [[(3 * i * i + 7 * i + n) % 380 + 3 for i in range(n)] for n in (5, 61, 30, 13, 130)]
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
-DEFAULT_BUDGET = EngineConfig().max_num_batched_tokens
+DEFAULT_BUDGET = None  # the device's default (config.CPU_MAX_NUM_BATCHED_TOKENS)
 
 
 def run(ckpt, method, budget, log_dir, monkeypatch, prompts=PROMPTS, params=PARAMS, **kw):  # noqa: F811

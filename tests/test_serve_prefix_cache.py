@@ -11,6 +11,7 @@ import pytest
 from serve_server import start_server, stop_server
 
 from specray.cli import build_parser, engine_config_from_args
+from specray.config import CPU_MAX_NUM_BATCHED_TOKENS
 
 PROMPT = [(7 * i * i + 3 * i) % 300 + 3 for i in range(45)]  # 45 tokens: a hit of 32
 
@@ -67,5 +68,7 @@ def test_streamed_usage_carries_cached_tokens(server):
 def test_the_flag_turns_caching_off():
     parser = build_parser()
     assert engine_config_from_args(parser.parse_args(["serve"])).kv.enable_prefix_caching
-    args = parser.parse_args(["serve", "--no-enable-prefix-caching"])
-    assert not engine_config_from_args(args).kv.enable_prefix_caching
+    args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--max-num-batched-tokens", "48"])
+    cfg = engine_config_from_args(args)
+    assert not cfg.kv.enable_prefix_caching and cfg.step_token_budget == 48
+    assert engine_config_from_args(parser.parse_args(["serve"])).step_token_budget == CPU_MAX_NUM_BATCHED_TOKENS

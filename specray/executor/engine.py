@@ -82,7 +82,7 @@ class EngineCore:
         self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
         self.prefix_pools, drafter_kv = self._prefix_pools(worker.drafter)
         self.scheduler = Scheduler(self.allocator, target.tokens_per_block, config.max_num_seqs,
-                                   config.max_num_batched_tokens, num_draft_tokens=self.num_draft_tokens,
+                                   config.step_token_budget, num_draft_tokens=self.num_draft_tokens,
                                    draft_allocator=self.draft_allocator,
                                    draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0,
                                    prefix_pools=self.prefix_pools, drafter_kv=drafter_kv)
