@@ -253,9 +253,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-# The CPU default token budget per step: the smallest budget whose prefill throughput is within 10%
-# of the best (smollm2-135m, a 2048-token prompt; benchmarks/bench_chunk_size.py, docs/prefix-caching.md).
-CPU_MAX_NUM_BATCHED_TOKENS = 64
+# The CPU default token budget per step: the smallest budget whose prefill throughput is at least 0.8 of
+# the best, so a long prompt's TTFT stays within 1.25x of one unchunked prefill (smollm2-135m, a
+# 2048-token prompt; benchmarks/bench_chunk_size.py, docs/prefix-caching.md).
+CPU_MAX_NUM_BATCHED_TOKENS = 256
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's order of magnitude for a GPU; not measured here
 
 
