@@ -53,6 +53,7 @@ class EchoEngine:
         self.max_len, self.is_healthy, self.tokenizer = max_len, True, None
         self.aborted: list[str] = []
         self.seen_params: list[SamplingParams] = []
+        self.num_cached_tokens, self.num_resets = 0, 0  # what the last delta reports; reset calls
 
     async def generate(self, prompt, params, request_id=None):
         ids = list(prompt) if isinstance(prompt, list) else [ord(c) for c in str(prompt)][:8]
@@ -68,13 +69,17 @@ class EchoEngine:
                 new = out[at:at + 2]
                 done = at + 2 >= len(out)
                 yield Delta(request_id, new, "".join(chr(97 + t % 26) for t in new), len(ids), at + len(new),
-                            "length" if done else None)
+                            "length" if done else None,
+                            metrics={"num_cached_tokens": self.num_cached_tokens} if done else None)
         except GeneratorExit:
             self.aborted.append(request_id)
             raise
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+
+    async def reset_prefix_cache(self):
+        self.num_resets += 1
 
     def stats(self):
         return Stats(kv_usage={"target": 0.0}, accepted_per_position=[3, 2])
@@ -228,3 +233,15 @@ def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):
     assert "port (70000) must be in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--max-num-queued-reqs", "-1"]) == 2
     assert "max_num_queued_reqs (-1) must be >= 0" in capsys.readouterr().err
+
+
+def test_cache_salt_reaches_the_engine_and_cached_tokens_the_usage(client, engine):
+    engine.num_cached_tokens = 32
+    body = client.post("/v1/chat/completions", json=dict(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=2, cache_salt="tenant")).json()
+    assert engine.seen_params[-1].cache_salt == "tenant"
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    body = client.post("/v1/completions", json=dict(model="m", prompt=[1, 2], max_tokens=2, n=2)).json()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # once per prompt, as prompt_tokens
+    assert client.post("/v1/completions", json=dict(model="m", prompt=[1], cache_salt="")).status_code == 400
+    assert client.post("/reset_prefix_cache").status_code == 200 and engine.num_resets == 1
