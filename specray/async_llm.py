@@ -80,6 +80,10 @@ class AsyncLLM:
         """Abort a running request; its stream ends with a delta whose finish_reason is "abort"."""
         self._client().abort([request_id])
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached page (pages in use stay with their requests)."""
+        self._client().reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """The last snapshot rank 0 sent (after its last loop turn): cheap, no round trip."""
         return self._client().stats

@@ -47,6 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=e.device, help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
+                   help="tokens one step computes: decode and verify rows first, prefill chunks fill the rest")
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel ranks, the world size (default: WORLD_SIZE under torchrun, else 1)")
@@ -71,6 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="token capacity of each pool (default: sized from free memory)")
     g.add_argument("--kv-memory-fraction", type=float, default=kv.memory_fraction,
                    help="fraction of free memory the pools may take")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=kv.enable_prefix_caching,
+                   help="share cached pages of common prompt prefixes (every pool; --no-enable-prefix-caching: off)")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--spec", default=s.method, choices=SPEC_METHODS, help="drafting method (default: plain)")
     g.add_argument("--draft-model", default=s.draft_model, help="drafter preset or checkpoint directory")
@@ -109,13 +114,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags describe; raises ValueError naming a bad value."""
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         parallel=ParallelConfig(tp_size=args.tp or _torchrun_world_size(), moe_tp_size=args.moe_tp, moe_ep_size=args.moe_ep,
                                 launcher=args.launcher, allreduce=args.allreduce, timeout_s=args.timeout_s,
                                 placement_strategy=args.placement_strategy, ray_address=args.ray_address,
                                 placement_timeout_s=args.placement_timeout_s,
                                 failure_timeout_s=args.failure_timeout_s),
         kv=KVConfig(tokens_per_block=args.tokens_per_block, capacity_tokens=args.kv_capacity_tokens,
-                    memory_fraction=args.kv_memory_fraction),
+                    memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching),
         spec=SpecConfig(method=args.spec, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                         force_accepted_tokens=args.force_accepted_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,

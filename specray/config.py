@@ -132,6 +132,8 @@ class KVConfig:
     """Fraction of the memory free after loading the weights that the KV pools may take."""
     cpu_max_bytes: int = 2 << 30
     """On CPU, never give the KV pools more than this, whatever the free memory."""
+    enable_prefix_caching: bool = True
+    """Share full pages of verified tokens between requests with the same prefix (every pool)."""
 
     def __post_init__(self) -> None:
         b = self.tokens_per_block
@@ -265,6 +267,8 @@ class SamplingParams:
     """The same for every prompt token after the first (``RequestOutput.prompt_logprobs``)."""
     structured: StructuredOutput | None = None
     """A grammar every output token must keep the text inside (JSON, a regex, EBNF...)."""
+    cache_salt: str | None = None
+    """Prefix-cache isolation: pages are shared only between requests with the same salt."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
@@ -293,6 +297,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# The CPU default token budget per step: the smallest budget whose prefill throughput is at least 0.8 of
+# the best, so a long prompt's TTFT stays within 1.25x of one unchunked prefill (smollm2-135m, a
+# 2048-token prompt; benchmarks/bench_chunk_size.py, docs/prefix-caching.md).
+CPU_MAX_NUM_BATCHED_TOKENS = 256
+GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's order of magnitude for a GPU; not measured here
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
     """Everything one LLM needs: the model, where it runs and how it decodes."""
@@ -308,8 +319,10 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_num_seqs: int = 64
     """Requests decoded together in one step."""
-    max_num_batched_tokens: int = 8192
-    """Tokens one forward may take (prefill chunks are not split: a longer prompt runs alone)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens one step computes: decode and verify rows (1 + k each) first, prefill chunks fill the
+    rest, so a long prompt is split into chunks and never stalls the decoding requests for long.
+    None: ``CPU_MAX_NUM_BATCHED_TOKENS`` on CPU, ``GPU_MAX_NUM_BATCHED_TOKENS`` on CUDA."""
     seed: int = 0
     """Seeds the preset weights and the per-request seeds that are not given."""
 
@@ -324,5 +337,12 @@ class EngineConfig:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device {self.device!r} must be 'cpu' or 'cuda'")
         _require(self.max_num_seqs >= 1, f"max_num_seqs ({self.max_num_seqs}) must be >= 1")
-        _require(self.max_num_batched_tokens >= 1,
-                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")
+        _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1 (None: the device's default)")
+
+    @property
+    def step_token_budget(self) -> int:
+        """``max_num_batched_tokens``, or the device's default when it is None."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_MAX_NUM_BATCHED_TOKENS if self.device == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS

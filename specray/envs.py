@@ -19,6 +19,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |                                   | fingerprint check must catch                                   |
 | SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
 |                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
+| SPECRAY_TEST_DRAFTS_DIR           | testing only: every rank appends ``[seq id, tokens, drafts,    |
+|                                   | accepted]`` per drafting row to ``<dir>/rank<R>.drafts``       |
 | SPECRAY_STARTUP_PROFILE_DIR       | benchmarks: each rank writes its start-up phases to            |
 |                                   | ``<dir>/rank<R>.json`` (specray/startup_phases.py)             |
 

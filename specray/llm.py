@@ -65,6 +65,10 @@ class LLM:
             params = [params] * len(prompts)
         return engine.generate(prompts, list(params))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page; requests after this call start from an empty cache."""
+        self._require_open().client.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts) or several, rendered with

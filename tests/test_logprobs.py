@@ -13,6 +13,8 @@ rows at once, so the matmuls may block differently: 1e-5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from checkpoints import load_reference, make_checkpoint
@@ -100,6 +102,26 @@ def test_prompt_logprobs_and_max_tokens_0_equal_transformers(ckpt, prompts, refe
     torch.testing.assert_close(torch.tensor([e.logprob for e in again.prompt_logprobs[1:]]),  # batched alone
                                torch.tensor([e.logprob for e in outs[0].prompt_logprobs[1:]]), rtol=0, atol=TOL_SPEC)
     assert len(again.token_ids) == 3 and again.logprobs is None  # output logprobs only when asked
+    # its whole prompt ran (no prefix-cache hit: the prompt's log-probabilities need every row)
+    assert again.metrics["num_cached_tokens"] == 0
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_survive_chunking(ckpt, prompts):
+    """A repeated prompt hits the cache unless it asks for prompt log-probabilities; a prompt
+    prefilled in chunks of 5 gets the same log-probabilities as in one step."""
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1, ignore_eos=True)
+    with LLM(config(ckpt)) as llm:
+        whole = llm.generate(prompts, params)
+        warm = llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        again = llm.generate(prompts[:1], params)[0]
+    assert warm.metrics["num_cached_tokens"] == 16  # caching is on: one 16-token page of the 21
+    assert again.metrics["num_cached_tokens"] == 0
+    with LLM(dataclasses.replace(config(ckpt), max_num_batched_tokens=5)) as llm:
+        chunked = llm.generate(prompts, params)
+    for a, b in zip(whole + [whole[0]], chunked + [again]):
+        assert a.token_ids == b.token_ids and len(b.prompt_logprobs) == len(a.prompt_logprobs)
+        torch.testing.assert_close(torch.tensor([e.logprob for e in b.prompt_logprobs[1:]]),
+                                   torch.tensor([e.logprob for e in a.prompt_logprobs[1:]]), rtol=0, atol=TOL_SPEC)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -45,6 +45,8 @@ class Stats:
     num_draft_tokens: int = 12
     num_accepted_tokens: int = 5
     accepted_per_position: list = None
+    prefix_cache_queries: dict = None
+    prefix_cache_hits: dict = None
 
 
 class EchoEngine:
@@ -54,6 +56,7 @@ class EchoEngine:
         self.max_len, self.is_healthy, self.tokenizer = max_len, True, None
         self.aborted: list[str] = []
         self.seen_params: list[SamplingParams] = []
+        self.num_cached_tokens, self.num_resets = 0, 0  # what the last delta reports; reset calls
 
     async def generate(self, prompt, params, request_id=None):
         ids = list(prompt) if isinstance(prompt, list) else [ord(c) for c in str(prompt)][:8]
@@ -69,13 +72,17 @@ class EchoEngine:
                 new = out[at:at + 2]
                 done = at + 2 >= len(out)
                 yield Delta(request_id, new, "".join(chr(97 + t % 26) for t in new), len(ids), at + len(new),
-                            "length" if done else None)
+                            "length" if done else None,
+                            metrics={"num_cached_tokens": self.num_cached_tokens} if done else None)
         except GeneratorExit:
             self.aborted.append(request_id)
             raise
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+
+    async def reset_prefix_cache(self):
+        self.num_resets += 1
 
     def stats(self):
         return Stats(kv_usage={"target": 0.0}, accepted_per_position=[3, 2])
@@ -109,14 +116,16 @@ def test_completion_returns_text_and_usage(client):
     assert body["object"] == "text_completion"
     assert [c["text"] for c in body["choices"]] == ["cde"]
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_n_choices_get_consecutive_seeds_and_prompt_tokens_count_once(client, engine):
     body = client.post("/v1/completions", json=dict(model="m", prompt=[5, 6], max_tokens=2, n=3, seed=7)).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert sorted(p.seed for p in engine.seen_params) == [7, 8, 9]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stream_frames_role_text_finish_usage_and_done(client):
@@ -285,3 +294,15 @@ def test_max_tokens_0_needs_echo_and_top_logprobs_need_logprobs(client):
     r = client.post("/v1/chat/completions", json=dict(model="m", messages=[{"role": "user", "content": "hi"}],
                                                       top_logprobs=2))
     assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
+
+
+def test_cache_salt_reaches_the_engine_and_cached_tokens_the_usage(client, engine):
+    engine.num_cached_tokens = 32
+    body = client.post("/v1/chat/completions", json=dict(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=2, cache_salt="tenant")).json()
+    assert engine.seen_params[-1].cache_salt == "tenant"
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    body = client.post("/v1/completions", json=dict(model="m", prompt=[1, 2], max_tokens=2, n=2)).json()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # once per prompt, as prompt_tokens
+    assert client.post("/v1/completions", json=dict(model="m", prompt=[1], cache_salt="")).status_code == 400
+    assert client.post("/reset_prefix_cache").status_code == 200 and engine.num_resets == 1

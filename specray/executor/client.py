@@ -18,7 +18,8 @@ import uuid
 from collections.abc import Callable
 
 from specray.errors import GrammarError
-from specray.executor.outputs import AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput
+from specray.executor.outputs import (AbortRequests, AddRequests, EngineStats, RequestDelta, RequestOutput,
+                                      ResetPrefixCache)
 
 
 class RequestStream:
@@ -102,6 +103,11 @@ class EngineClient:
         """Ask rank 0 to abort; each stream still open ends with an "abort" delta."""
         if self.error is None and request_ids:
             self._send(AbortRequests(list(request_ids)))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask rank 0 to forget every cached page; requests sent after this call see an empty cache."""
+        if self.error is None:
+            self._send(ResetPrefixCache())
 
     def discard(self, request_ids: list[str]) -> None:
         """Stop routing deltas to these streams (their reader left)."""

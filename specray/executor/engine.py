@@ -21,6 +21,7 @@ from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine
 from specray.workers.logprobs import TokenLogprob
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator
+from specray.kv.prefix_cache import CachedPool, PrefixCachingAllocator
 from specray.workers.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -78,21 +79,38 @@ class EngineCore:
         self.channel = channel  # sends plans to the followers; None on a single rank
         self.is_broken = False  # a step failed midway: the ranks may disagree, serve no more
         self.geometry = worker.geometry  # agreed by every rank before the engine starts
-        self.allocator = BlockAllocator(self.geometry["target"].num_blocks)
+        target, draft = self.geometry["target"], self.geometry.get("draft")
+        allocator = PrefixCachingAllocator if config.kv.enable_prefix_caching else BlockAllocator
+        self.allocator = allocator(target.num_blocks)
         # a standalone drafter's pool: its own pages (its page size may differ), same token capacity
-        draft = self.geometry.get("draft")
-        self.draft_allocator = BlockAllocator(draft.num_blocks) if draft is not None else None
+        self.draft_allocator = allocator(draft.num_blocks) if draft is not None else None
         self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
-        self.scheduler = Scheduler(self.allocator, self.geometry["target"].tokens_per_block, config.max_num_seqs,
-                                   config.max_num_batched_tokens, num_draft_tokens=self.num_draft_tokens,
+        self.prefix_pools, drafter_kv = self._prefix_pools(worker.drafter)
+        self.scheduler = Scheduler(self.allocator, target.tokens_per_block, config.max_num_seqs,
+                                   config.step_token_budget, num_draft_tokens=self.num_draft_tokens,
                                    draft_allocator=self.draft_allocator,
-                                   draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0)
+                                   draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0,
+                                   prefix_pools=self.prefix_pools, drafter_kv=drafter_kv)
         self.live: dict[str, LiveRequest] = {}
         self._by_seq: dict[int, LiveRequest] = {}
         self._needs_settle = False  # steps ran since the ranks last compared their tokens
         self._seq_ids = 0
         self._rng = random.Random(config.seed)
         self.tokenizer = engine_tokenizer(config)  # None: the model speaks token ids only
+
+    def _prefix_pools(self, drafter) -> tuple[list[CachedPool], str | None]:
+        """The pools the prefix cache covers (none when it is off) and where the drafter keeps KV."""
+        drafter_kv = None
+        if drafter is not None and drafter.kv_layout is not None:
+            drafter_kv = "draft" if drafter.is_standalone else "target"
+        if not self.config.kv.enable_prefix_caching:
+            return [], drafter_kv
+        # one-model drafters whose KV at p depends on token p + 1 key the target's pages with it
+        shift = getattr(drafter, "kv_successor_tokens", 0) if drafter_kv == "target" else 0
+        pools = [CachedPool("target", self.allocator, self.geometry["target"].tokens_per_block, shift)]
+        if self.draft_allocator is not None:
+            pools.append(CachedPool("draft", self.draft_allocator, self.geometry["draft"].tokens_per_block))
+        return pools, drafter_kv
 
     @property
     def capacity_tokens(self) -> int:
@@ -152,7 +170,8 @@ class EngineCore:
         return deltas
 
     def step(self) -> list[RequestDelta]:
-        """One step of every scheduled request; a delta for each (each got at least one token)."""
+        """One step of every scheduled request; a delta for each that got a token (a partial
+        prefill chunk gets none)."""
         if self.is_broken:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         try:
@@ -166,7 +185,7 @@ class EngineCore:
             self.is_broken = True
             raise
         self._needs_settle = True
-        return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids]
+        return [self._delta(self._by_seq[sid]) for sid in plan.seq_ids if sid not in plan.partial]
 
     def _ask_prompt_logprobs(self, plan: StepPlan) -> None:
         """Name in the plan the sequences whose prompt runs now and that want its log-probabilities,
@@ -178,6 +197,7 @@ class EngineCore:
                 continue  # not asked, a decode, or a recomputation after preemption (already known)
             if not recorded:
                 recorded.append(None)  # the first prompt token has nothing before it
+            del recorded[start + 1:]  # a prompt preempted between its chunks runs again from its start
             if len(recorded) != start + 1:
                 raise RuntimeError(f"request {request.request_id!r}: the prompt runs from position {start} but its "
                                    f"log-probabilities are known up to {len(recorded) - 1}; a request that asks for "
@@ -217,7 +237,8 @@ class EngineCore:
         if is_chat or params.structured is not None:  # a chat answer (or a grammar's text) also ends at end of turn
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.end_of_turn_ids)))
         text = RequestText(self.tokenizer, prompt, params) if self.tokenizer is not None else None
-        seq = Sequence(self._seq_ids, list(prompt), len(prompt), params, seed, eos, text=text)
+        seq = Sequence(self._seq_ids, list(prompt), len(prompt), params, seed, eos, text=text,
+                       cache_salt=params.cache_salt)
         self._seq_ids += 1
         return seq
 
@@ -248,21 +269,25 @@ class EngineCore:
         first = seq.first_token_s
         ttft = first - seq.arrival_s if first is not None else None
         tpot = (seq.finish_s - first) / (len(out) - 1) if len(out) > 1 else 0.0
-        metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions)
+        metrics = dict(ttft_s=ttft, tpot_s=tpot, num_output_tokens=len(out), num_preemptions=seq.num_preemptions,
+                       num_cached_tokens=seq.num_cached_tokens)
         if k:
             metrics.update(spec_metrics.request_metrics(seq.accepted_counts, k, seq.draft_counts,
                                                         seq.num_decode_steps))
         return metrics
 
     def stats(self) -> EngineStats:
-        """A snapshot: requests running and waiting, pages in use per pool, the spec counters."""
+        """A snapshot: requests running and waiting, pages in use per pool (cached free pages count
+        as free), the spec counters, the prefix cache's counters per pool."""
         s = self.scheduler
         usage = {"target": 1 - self.allocator.num_free / self.allocator.num_blocks}
         if self.draft_allocator is not None:
             usage["draft"] = 1 - self.draft_allocator.num_free / self.draft_allocator.num_blocks
         c = s.spec_counters
         return EngineStats(len(s.running), len(s.waiting), usage, c.num_drafts, c.num_draft_tokens,
-                           c.num_accepted_tokens, list(c.accepted_per_position))
+                           c.num_accepted_tokens, list(c.accepted_per_position),
+                           {p.name: p.num_query_tokens for p in self.prefix_pools},
+                           {p.name: p.num_hit_tokens for p in self.prefix_pools})
 
     def close(self) -> None:
         if self.channel is not None and not self.is_broken:

@@ -1,7 +1,7 @@
 """Rank 0's step loop: drain the inbox, step, emit deltas to the outbox; block when idle.
 
 Before every step the loop takes every message waiting in the inbox (``AddRequests``,
-``AbortRequests``, ``CloseLoop``) without blocking; with no work it blocks on the inbox for
+``AbortRequests``, ``ResetPrefixCache``, ``CloseLoop``) without blocking; with no work it blocks on the inbox for
 up to ``heartbeat_s`` and, when nothing came, sends the followers a heartbeat (an idle rank 0
 is not a dead one). After each turn that did anything it emits one ``LoopOutput``: the
 deltas, rejected adds and an ``EngineStats`` snapshot. When the work runs out the ranks
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specray.executor.engine import EngineCore
-from specray.executor.outputs import AbortRequests, AddRequests, LoopOutput
+from specray.executor.outputs import AbortRequests, AddRequests, LoopOutput, ResetPrefixCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,8 @@ def handle(core: EngineCore, message, output: LoopOutput) -> bool:
             output.rejected.update({rid: (type(e).__name__, str(e)) for rid, _, _ in message.requests})
     elif isinstance(message, AbortRequests):
         output.deltas += core.abort(message.request_ids)
+    elif isinstance(message, ResetPrefixCache):
+        core.scheduler.reset_prefix_cache()
     else:
         raise TypeError(f"unexpected inbox message {type(message).__name__}")
     return True

@@ -56,6 +56,8 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
+    prefix_cache_queries: dict[str, int] = field(default_factory=dict)  # pool -> prompt tokens looked up
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)  # pool -> tokens served from its cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,11 @@ class AddRequests:
 @dataclass(frozen=True, slots=True)
 class AbortRequests:
     request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Inbox: forget every cached page (vLLM's ``POST /reset_prefix_cache``)."""
 
 
 @dataclass(slots=True)

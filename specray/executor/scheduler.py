@@ -1,13 +1,22 @@
 """Continuous-batching scheduler (plain Python, no torch).
 
-Each step every scheduled sequence feeds all of its tokens whose KV is not cached yet:
-a whole prompt when it is admitted (or re-admitted after preemption), one token when it
-decodes, and 1 + k tokens when it verifies drafts. Requests of any length share a step.
+Each step every scheduled sequence feeds tokens whose KV is not cached yet: one token when
+it decodes, 1 + k tokens when it verifies drafts, and a chunk of its prompt (or, after a
+preemption, of its prompt and output) while it prefills. Requests of any length share a step.
+
+Chunked prefill: a step computes at most ``max_num_batched_tokens``. Decode and verify rows
+come first (a verify row counts 1 + k), then prefill chunks fill what is left, in admission
+order; a chunk ends anywhere (not at a page boundary). A chunk that does not reach the end
+of the sequence's tokens samples nothing (``plan.partial``): its KV and, for drafters
+conditioned on the target, its features are kept, and the drafter consumes them at the
+sequence's first draft step with the true next tokens (so a shifted drafter never sees a
+sampled token at a chunk's end). The row that computes the last chunk is a prefill row,
+whatever its length: it samples the first token and does not draft, as an unchunked one.
 
 Rules:
 - admission is FIFO and by free pages: a waiting request joins when the pages for all of
   its current tokens are free, the batch has room (``max_num_seqs``) and the step's token
-  budget allows it (a request that exceeds the budget alone still runs, alone);
+  budget has room for at least one token of it;
 - when a running request needs a page and none is free, the most recently admitted
   running request is preempted: its pages are freed, and it waits at the front of the
   queue to be recomputed (prompt plus what it already generated), so no request fails;
@@ -24,6 +33,8 @@ allocated all the same and the rollback frees what the shorter draft left empty;
 verified no draft is a plain decode step and is not counted as a verify step. A
 standalone drafter's pool has its own allocator and page size; a sequence runs only when
 both pools have its pages, and preemption and finishing release both.
+
+Prefix caching (``prefix_pools`` given): ``executor/prefix_hits.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from specray.config import SamplingParams
 from specray.executor.spec_metrics import SpecCounters
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator, blocks_needed
+from specray.executor.prefix_hits import PrefixHits
+from specray.kv.prefix_cache import CachedPool
 
 
 @dataclass(slots=True)
@@ -65,6 +78,13 @@ class Sequence:
     accepted_counts: list[int] = field(default_factory=list)  # drafts accepted, per verify step
     draft_counts: list[int] = field(default_factory=list)  # drafts proposed, per verify step
     num_decode_steps: int = 0  # steps that decoded it, with drafts or without (not its prefills)
+    cache_salt: str | None = None  # pages are shared only between requests of the same salt
+    num_cached_tokens: int = 0  # prefix hit at its first admission
+    num_draft_valid: int = 0  # positions whose drafter KV is surely written (a lower bound)
+    page_keys: list[list] = field(default_factory=list)  # per prefix pool: keys of its published prefix
+    is_sent: bool = False  # the ranks know its sampling params
+    is_prefilling: bool = False  # admitted with a hit, or mid-prefill in chunks: a prefill row
+    num_hit_unsent: int = 0  # a hit the ranks have not been told of yet
 
     @property
     def output_ids(self) -> list[int]:
@@ -95,11 +115,15 @@ class Sequence:
         self.finish_reason, self.stop_reason = reason, stop_reason
 
 
-class Scheduler:
+class Scheduler(PrefixHits):
     def __init__(self, allocator: BlockAllocator, tokens_per_block: int, max_num_seqs: int,
                  max_num_batched_tokens: int, lookahead_tokens: int = 0, num_draft_tokens: int = 0,
-                 draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0):
+                 draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0,
+                 prefix_pools: list[CachedPool] | None = None, drafter_kv: str | None = None):
         self.allocator = allocator
+        # prefix caching: the target pool first, then a standalone drafter's; None: off
+        self.prefix_pools = prefix_pools or []
+        self.drafter_kv = drafter_kv  # where the drafter keeps KV: "target", "draft" or None
         self.draft_allocator = draft_allocator  # a standalone drafter's pool, else None
         self.draft_tokens_per_block = draft_tokens_per_block
         self.num_draft_tokens = num_draft_tokens
@@ -113,6 +137,7 @@ class Scheduler:
         self._preempted: list[int] = []  # since the last plan: ranks reset their block tables
         self._finished: list[int] = []  # since the last plan: ranks drop every trace of them
         self._truncated: dict[int, tuple[int, int]] = {}  # since the last plan: rolled-back table lengths
+        self._scheduled: list[tuple[Sequence, int]] = []  # the last plan's rows: (sequence, tokens fed)
         self.spec_counters = SpecCounters(num_draft_tokens)  # cumulative over every request
 
     @property
@@ -164,6 +189,7 @@ class Scheduler:
             self.draft_allocator.free(seq.draft_block_table)
         seq.draft_block_table = []
         seq.num_draft_blocks_sent = 0
+        seq.num_draft_valid, seq.page_keys, seq.is_prefilling, seq.num_hit_unsent = 0, [], False, 0
         self._truncated.pop(seq.seq_id, None)
 
     def _preempt_latest(self) -> Sequence:
@@ -186,35 +212,62 @@ class Scheduler:
                     break
             if seq in self.running:
                 self._grant(seq, need)
-        # 2. Waiting requests join while pages, batch slots and the token budget allow.
-        num_tokens = sum(s.num_uncomputed for s in self.running)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # 2. Decode and verify rows first, then prefill chunks of running requests.
+        budget, chunks = self.max_num_batched_tokens, {}
+        for seq in self.running:
+            if not self._is_prefill(seq):
+                chunks[seq.seq_id] = 1
+                budget -= 1 + self.num_draft_tokens
+        for seq in self.running:
+            if self._is_prefill(seq) and budget > 0:
+                chunks[seq.seq_id] = min(seq.num_uncomputed, budget)
+                budget -= chunks[seq.seq_id]
+        # 3. Waiting requests join while pages, batch slots and the token budget allow.
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            hit, hit_pages, keys = self._find_hit(seq)
             need = self._pages_for(seq, self.lookahead_tokens)
-            over_budget = num_tokens + seq.num_uncomputed > self.max_num_batched_tokens
-            if not self._fits(need) or (over_budget and self.running):
+            need = (need[0] - len(hit_pages[0]), need[1] - (len(hit_pages[1]) if len(hit_pages) > 1 else 0))
+            revive = [pool.allocator.num_to_revive(p) for pool, p in zip(self.prefix_pools, hit_pages)] + [0, 0]
+            if not self._fits((need[0] + revive[0], need[1] + revive[1])):
                 break
             self.waiting.popleft()
+            self._take_hit(seq, hit, hit_pages, keys)
             self._grant(seq, need)
             seq.admitted_at = next(self._admissions)
             self.running.append(seq)
-            num_tokens += seq.num_uncomputed
-        return self._plan()
+            chunks[seq.seq_id] = min(seq.num_uncomputed, budget)
+            budget -= chunks[seq.seq_id]
+        return self._plan(chunks)
 
-    def _plan(self) -> StepPlan:
+    @staticmethod
+    def _is_prefill(seq: Sequence) -> bool:
+        return seq.num_uncomputed > 1 or seq.is_prefilling
+
+    def _plan(self, chunks: dict[int, int]) -> StepPlan:
+        """The plan of the rows in ``chunks`` (sequence id -> tokens it computes), in running order."""
         plan = StepPlan(preempted=self._preempted, finished=self._finished, truncated=self._truncated)
         self._preempted, self._finished, self._truncated = [], [], {}
-        for seq in self.running:
+        self._scheduled = [(seq, chunks[seq.seq_id]) for seq in self.running if seq.seq_id in chunks]
+        for seq, num_tokens in self._scheduled:
             plan.seq_ids.append(seq.seq_id)
-            plan.input_ids.append(seq.token_ids[seq.num_computed:])
+            plan.input_ids.append(seq.token_ids[seq.num_computed:seq.num_computed + num_tokens])
+            if seq.num_computed + num_tokens < len(seq.token_ids):  # a chunk short of the end: no sample
+                plan.partial.append(seq.seq_id)
+                seq.is_prefilling = True
             plan.start_positions.append(seq.num_computed)
             plan.new_blocks.append(seq.block_table[seq.num_blocks_sent:])
             seq.num_blocks_sent = len(seq.block_table)
-            if seq.num_computed == 0 and seq.num_preemptions == 0:
+            if not seq.is_sent:
                 plan.new_seqs[seq.seq_id] = (seq.params, seq.seed)
+                seq.is_sent = True
+            if seq.num_hit_unsent:
+                plan.cached_prefix[seq.seq_id] = seq.token_ids[:seq.num_hit_unsent]
+                seq.num_hit_unsent = 0
             if self.num_draft_tokens:
                 # only a decoding sequence drafts; a (re)computed prompt runs on the target alone
-                seq.num_drafts_fed = self.num_draft_tokens if seq.num_uncomputed == 1 else 0
+                is_decoding = not self._is_prefill(seq)
+                seq.num_drafts_fed = self.num_draft_tokens if is_decoding else 0
                 plan.num_drafts.append(seq.num_drafts_fed)
             if self.draft_allocator is not None:
                 plan.new_draft_blocks.append(seq.draft_block_table[seq.num_draft_blocks_sent:])
@@ -223,14 +276,23 @@ class Scheduler:
 
     def finish_step(self, tokens: list[int] | list[list[int]], num_drafts: list[int] | None = None) -> list[Sequence]:
         """Record the new tokens of every scheduled sequence (one int each in plain decoding,
-        a list of accepted drafts plus the bonus token when it verified drafts) and how many
-        drafts each verified (None: as many as planned); returns the sequences that finished."""
+        a list of accepted drafts plus the bonus token when it verified drafts; None or [] for a
+        partial chunk) and how many drafts each verified (None: as many as planned); returns
+        the sequences that finished."""
         finished = []
         if num_drafts is None:
-            num_drafts = [seq.num_drafts_fed for seq in self.running]
-        for seq, new, proposed in zip(list(self.running), tokens, num_drafts):
+            num_drafts = [seq.num_drafts_fed for seq, _ in self._scheduled]
+        for (seq, num_fed), new, proposed in zip(self._scheduled, tokens, num_drafts):
+            if new is None or new == []:  # a partial chunk: its KV is in, nothing sampled
+                seq.num_computed += num_fed
+                self._publish(seq)
+                continue
             new = new if isinstance(new, list) else [new]
             seq.num_decode_steps += 1 if seq.num_drafts_fed else 0
+            if seq.num_drafts_fed and self.drafter_kv is not None:
+                # the drafter consumed every position before the fed token (spec_step.py)
+                seq.num_draft_valid = max(seq.num_draft_valid, len(seq.token_ids) - 1)
+            seq.is_prefilling = False
             if proposed:  # a step that verified no draft was a plain decode step (as vLLM counts)
                 seq.accepted_counts.append(len(new) - 1)
                 seq.draft_counts.append(proposed)
@@ -243,6 +305,7 @@ class Scheduler:
                 seq.append(token)
                 if seq.is_finished:
                     break
+            self._publish(seq)
             if seq.is_finished:
                 self._release(seq)
                 self._finished.append(seq.seq_id)

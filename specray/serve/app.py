@@ -189,6 +189,11 @@ def _add_plain_routes(app: FastAPI, holder: EngineHolder, metrics: ServerMetrics
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await holder.require().reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/version")
     async def version():
         return {"version": specray.__version__}

@@ -55,6 +55,7 @@ class ChoiceResult:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
     prompt_logprobs: list | None = None  # per prompt token (echo with logprobs), the first None
     prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def add(self, delta) -> None:
         self.text += delta.new_text
@@ -68,13 +69,20 @@ class ChoiceResult:
         self.num_output_tokens = delta.num_output_tokens
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.num_cached_tokens = (delta.metrics or {}).get("num_cached_tokens", 0)
 
 
 def usage(results: list[ChoiceResult]) -> dict:
-    """Prompt tokens once per prompt (not per sample of it), output tokens of every choice."""
-    prompt = {r.choice.prompt_index: r.num_prompt_tokens for r in results}
+    """Prompt tokens once per prompt (not per sample of it), output tokens of every choice, and
+    the prompt tokens served from the prefix cache (OpenAI's ``prompt_tokens_details``; the
+    first choice of each prompt counts, as its prompt tokens do)."""
+    prompt, cached = {}, {}
+    for r in results:
+        prompt.setdefault(r.choice.prompt_index, r.num_prompt_tokens)
+        cached.setdefault(r.choice.prompt_index, r.num_cached_tokens)
     num_prompt, num_output = sum(prompt.values()), sum(r.num_output_tokens for r in results)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 class RequestRun:

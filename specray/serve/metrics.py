@@ -62,6 +62,14 @@ class EngineStatsCollector:
         for position, count in enumerate(stats.accepted_per_position):
             per_pos.add_metric([self._model, str(position)], count)
         yield per_pos
+        for name, doc, values in (("prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                   stats.prefix_cache_queries),
+                                  ("prefix_cache_hits", "prompt tokens served from the prefix cache",
+                                   stats.prefix_cache_hits)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "pool"])
+            for pool, count in sorted((values or {}).items()):
+                family.add_metric([self._model, pool], count)
+            yield family
 
 
 class ServerMetrics:

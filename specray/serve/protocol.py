@@ -54,6 +54,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation (vLLM's field)
 
     @field_validator("stop")
     @classmethod
@@ -103,7 +104,7 @@ class _SamplingRequest(BaseModel):
                                top_k=max(self.top_k, 0), seed=seed, stop=stop,
                                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                                skip_special_tokens=self.skip_special_tokens, structured=self.structured(),
-                               **self._logprob_params())
+                               **self._logprob_params(), cache_salt=self.cache_salt)
                 for seed in seeds]
 
 

@@ -21,6 +21,10 @@ positions its cache holds, and the target features of positions it has not consu
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
 from specray.workers.logprobs import compute_prompt_logprobs
@@ -42,6 +46,8 @@ class SpecRunner:
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
         self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
+        log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
+        self._draft_log = Path(log_dir) / f"rank{worker.ctx.rank}.drafts" if log_dir else None
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:
@@ -49,6 +55,8 @@ class SpecRunner:
                 state.pop(sid, None)
         for sid in plan.preempted:
             self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, None
+        for sid, prefix in plan.cached_prefix.items():  # a prefix hit: the drafter's KV is cached there too
+            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), None
         for sid, (_, num_draft_blocks) in plan.truncated.items():
             del self.draft_tables.setdefault(sid, [])[num_draft_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
@@ -73,10 +81,16 @@ class SpecRunner:
         for i, sid in enumerate(plan.seq_ids):
             nd = self.num_drafts[i]
             rows.append(logits[offset:offset + nd + 1])
-            new = self._verify(sid, rows[-1], drafts.get(i, []), draft_probs.get(i))
+            if sid in plan.partial:  # a prefill chunk short of the end: its features are kept, no sample
+                new = []
+            else:
+                new = self._verify(sid, rows[-1], drafts.get(i, []), draft_probs.get(i))
             offset += nd + 1
-            self._keep(i, sid, plan, len(new) - 1, features, first_row)
+            self._keep(i, sid, plan, max(len(new) - 1, 0), features, first_row)
             first_row += len(inputs[i])
+            if self._draft_log is not None and i in drafts:
+                with self._draft_log.open("a") as f:
+                    f.write(json.dumps([sid, len(self.tokens[sid]), drafts[i], len(new) - 1]) + "\n")
             self.tokens[sid].extend(new)
             out.append(new)
         # verify row j holds the target's logits at the position of new token j (accepted or bonus)

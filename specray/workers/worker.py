@@ -16,11 +16,6 @@ import torch
 
 from specray.comm.context import DistContext
 from specray.config import EngineConfig, SamplingParams
-from specray.workers.grammar import Grammars
-from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, rows_logprobs
-from specray.workers.plan import StepPlan
-from specray.workers.sampling import sample_rows
-from specray.workers.spec_step import SpecRunner
 from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import rank_kv_budget_bytes
@@ -37,9 +32,22 @@ from specray.models.presets import is_preset, resolve_model
 from specray.models.tokenizer import load_tokenizer
 from specray.workers.barrier_waits import BarrierWaits
 from specray.workers.cpu_malloc import release_cpu_malloc, tune_cpu_malloc
+from specray.workers.grammar import Grammars
+from specray.workers.logprobs import TokenLogprob, compute_prompt_logprobs, rows_logprobs
+from specray.workers.plan import StepPlan
+from specray.workers.sampling import sample_rows
+from specray.workers.spec_step import SpecRunner
 from specray.workers.token_check import check_same_on_every_rank, fold
 
 log = logging.getLogger(__name__)
+
+
+def spread(values: list, rows: list[int], n: int) -> list:
+    """A list of ``n`` with ``values[j]`` at index ``rows[j]`` and None elsewhere."""
+    out: list = [None] * n
+    for row, value in zip(rows, values):
+        out[row] = value
+    return out
 
 
 class RankWorker:
@@ -61,6 +69,7 @@ class RankWorker:
         self.step_prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # per sequence of the last step
         self.num_steps = 0
         self.token_digest = 0  # crc32 of every token this rank sampled (see token_check.py)
+        self.table_digest = 0  # crc32 of the block tables of every step's rows (prefix hits share pages)
         step_dir = os.environ.get("SPECRAY_TEST_STEP_DIR")  # testing only: see envs.py
         self._step_file = Path(step_dir) / f"rank{ctx.rank}.steps" if step_dir else None
         self.barrier_waits = BarrierWaits.for_device(ctx.device)  # spin or sleep at OpenMP barriers
@@ -168,13 +177,14 @@ class RankWorker:
         if tokens:
             self.num_steps += 1
             self.token_digest = fold(self.token_digest, tokens)
+            self.table_digest = fold(self.table_digest, [self.block_tables[sid] for sid in plan.seq_ids])
             if self._step_file is not None:  # lets a test act while a call is surely in progress
                 self._step_file.write_text(str(self.num_steps))
             if self.config.parallel.check_every_step:
                 check_same_on_every_rank(self.ctx.cpu, (plan.seq_ids, tokens), f"step {self.num_steps} tokens")
         if plan.is_call_end:
-            check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest),
-                                     "(steps, token digest) at the end of the generate call")
+            check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest, self.table_digest),
+                                     "(steps, token digest, block-table digest) at the end of the generate call")
         return tokens
 
     def num_top(self, sid: int, prompt: bool = False) -> int | None:
@@ -205,10 +215,19 @@ class RankWorker:
             self.model, hidden, plan, query_lens, {sid: self.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
             hidden = hidden[last_rows(query_lens, hidden.device)]
-        logits = self.model.logits(hidden)
-        tokens = sample_rows(self.grammars.masked(plan.seq_ids, logits), [self.samplers[sid] for sid in plan.seq_ids])
+        # a partial prefill chunk samples nothing (its generator must not move)
+        rows = [i for i, sid in enumerate(plan.seq_ids) if sid not in plan.partial]
+        if not rows:
+            return [None] * len(plan.seq_ids)
+        seq_ids = [plan.seq_ids[i] for i in rows]
+        logits = self.model.logits(hidden if len(rows) == len(plan.seq_ids) else hidden[rows])
+        tokens = sample_rows(self.grammars.masked(seq_ids, logits), [self.samplers[sid] for sid in seq_ids])
         if self.grammars.seqs:
-            for sid, token in zip(plan.seq_ids, tokens):
+            for sid, token in zip(seq_ids, tokens):
                 self.grammars.accept(sid, token)
-        self.step_logprobs = self.output_logprobs(plan.seq_ids, logits[:, None], [[t] for t in tokens])
-        return tokens
+        logprobs = self.output_logprobs(seq_ids, logits[:, None], [[t] for t in tokens])
+        if len(rows) == len(plan.seq_ids):
+            self.step_logprobs = logprobs
+            return tokens
+        self.step_logprobs = None if logprobs is None else spread(logprobs, rows, len(plan.seq_ids))
+        return spread(tokens, rows, len(plan.seq_ids))

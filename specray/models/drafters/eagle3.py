@@ -64,6 +64,7 @@ def expected_tensors(fmt: Eagle3Format, has_embed: bool, has_d2t: bool) -> dict[
 class Eagle3Drafter(nn.Module):
     is_standalone = False
     reuses_draft_kv = False
+    kv_successor_tokens = 1  # its KV at position p pairs with token p + 1: prefix-cache keys include it
 
     def __init__(self, fmt: Eagle3Format, target: CausalLM, ctx: DistContext, dtype: torch.dtype,
                  has_embed: bool):

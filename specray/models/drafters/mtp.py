@@ -100,6 +100,7 @@ class MTPDrafter(nn.Module):
     is_standalone = False
     reuses_draft_kv = False
     feature_layers = (FINAL_HIDDEN,)
+    kv_successor_tokens = 1  # its KV at position p pairs with token p + 1: prefix-cache keys include it
 
     def __init__(self, fmt: MTPFormat, target: CausalLM, ctx: DistContext, dtype: torch.dtype, k: int):
         super().__init__()
