@@ -206,6 +206,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from specray.launch import resolve_launcher
 
     config = engine_config_from_args(args)
+    if args.max_tokens < 1:  # 0 runs the prompt only (prompt log-probabilities): nothing to print here
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1 for specray generate")
     params = sampling_params_from_args(args, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                                        stop=tuple(args.stop))
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
@@ -260,6 +262,8 @@ def run_chat(args: argparse.Namespace) -> int:
     from specray.terminal import stream_to_terminal
 
     config = engine_config_from_args(args)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1 for specray chat")
     if resolve_launcher(config) == "external":
         raise ValueError("specray chat reads the terminal on one process; under torchrun use `specray generate` "
                          "or pass --launcher mp/ray")

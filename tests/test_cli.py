@@ -94,7 +94,7 @@ def test_checkpoint_without_tokenizer_takes_ids_but_not_text(capsys, hf_checkpoi
 @pytest.mark.parametrize("argv, rule", [
     (["generate", "--prompt-ids", "1,2", "--tokens-per-block", "24"], "tokens_per_block (24) must be a power of two"),
     (["generate", "--prompt-ids", "1,2", "--top-p", "0"], "top_p (0.0) must be in (0, 1]"),
-    (["generate", "--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens (0) must be an integer >= 1"),
+    (["generate", "--prompt-ids", "1,2", "--max-tokens", "0"], "--max-tokens (0) must be >= 1 for specray generate"),
     (["generate", "--prompt-ids", "1,2", "--tp", "4", "--moe-tp", "2", "--moe-ep", "3"], "moe_ep_size (3) must divide tp_size (4)"),
     (["generate", "--prompt-ids", "1,2", "--kv-memory-fraction", "1.5"], "memory_fraction (1.5) must be in (0, 1]"),
     (["generate", "--prompt-ids", "1,2", "--spec", "dflash", "--force-accepted-tokens", "9"],
