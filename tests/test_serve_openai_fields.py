@@ -61,6 +61,9 @@ def tiny_reference():
     return prompt, out[len(prompt):], log_softmax(model, out)
 
 
+TOL_WARM = 1e-5  # the same model on the same tokens, warm (a prefix-cache hit) against cold: a few ulp
+
+
 def close(ours: list[float], theirs, atol: float) -> None:
     torch.testing.assert_close(torch.tensor(ours, dtype=torch.float32), torch.as_tensor(theirs).float(),
                                rtol=0, atol=atol)
@@ -80,7 +83,9 @@ def test_completion_logprobs_equal_transformers_streamed_and_not(tiny, tiny_refe
         values = row.topk(3)
         assert len(top) == 3
         close(sorted(top.values(), reverse=True), values.values, 1e-4)
-    assert sum((s.token_logprobs for s in streamed), []) == whole.token_logprobs
+    # The streamed request repeats the prompt, so it starts from a prefix-cache hit: its first step
+    # computes fewer rows (other matmul blocking), a few ulp off the cold request's values.
+    close(sum((s.token_logprobs for s in streamed), []), whole.token_logprobs, TOL_WARM)
     assert sum((s.text_offset for s in streamed), []) == whole.text_offset
     assert whole.text_offset == sorted(whole.text_offset) and whole.text_offset[0] == 0
 
@@ -165,7 +170,8 @@ def test_chat_logprobs_under_ngram_speculation_equal_transformers(smol, smol_ref
         assert len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
         close([t.logprob for t in c.top_logprobs], row.topk(2).values, 1e-3)
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    close([e.logprob for e in streamed], [e.logprob for e in content], TOL_WARM)  # a prefix hit, as above
     m = smol.metrics()
     assert m[("specray:spec_decode_num_accepted_tokens_total", ())] >= 16  # most tokens came from verify rows
 

@@ -62,8 +62,13 @@ def test_ray_job_submit_serves_from_the_cluster(ray_env, tmp_path):
                                  "--", *job], env=ray_env, capture_output=True, text=True, timeout=120)
         assert submit.returncode == 0, (submit.stdout + submit.stderr)[-3000:]
         server = Server(None, f"http://127.0.0.1:{port}", tmp_path / "unused.log")
-        wait_healthy(server, lambda: "RUNNING" in job_status(address, ray_env, job_id) or
-                     "PENDING" in job_status(address, ray_env, job_id), START_TIMEOUT_S)
+        try:
+            wait_healthy(server, lambda: "RUNNING" in job_status(address, ray_env, job_id) or
+                         "PENDING" in job_status(address, ray_env, job_id), START_TIMEOUT_S)
+        except AssertionError as e:  # say why: the job's status and its own log
+            logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=ray_env,
+                                  capture_output=True, text=True, timeout=60)
+            raise AssertionError(f"{e}\n{job_status(address, ray_env, job_id)}\n{logs.stdout[-3000:]}") from None
         got = server.client().completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=8, temperature=0,
                                                  extra_body={"ignore_eos": True})
         assert got.choices[0].text == expected and got.usage.completion_tokens == 8
