@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from serve_server import free_port
 
 from specray.launch import ray_connect
 
@@ -30,9 +31,7 @@ TESTS_DIR = Path(__file__).parent
 
 def dead_address() -> str:
     """host:port of a port that was just free and is now closed: a connection is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture
@@ -97,8 +96,8 @@ def test_an_explicit_address_wins_and_never_falls_back(stale_ray_tmpdir, monkeyp
     _, _, address = stale_ray_tmpdir
     assert ray_connect.choose_address(address) == ("join", address)  # the user's word, dead or not
     assert ray_connect.choose_address("local") == ("local", None)
-    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
-    assert ray_connect.choose_address() == ("join", "10.1.2.3:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # never probed: an explicit address is the user's word
+    assert ray_connect.choose_address() == ("join", "127.0.0.1:6379")
 
 
 def test_no_address_file_starts_local(monkeypatch, tmp_path):
