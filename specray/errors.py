@@ -10,6 +10,7 @@ raised on purpose (and nothing torch, Ray or the OS raised on their own).
 | ``TokenDivergence``  | ranks sampled different tokens (``workers.token_check``)         | RuntimeError |
 | ``PlacementTimeout`` | Ray could not place the ranks in time (``launch.ray_placement``) | RuntimeError |
 | ``OutOfBlocks``      | too few free pages (``kv.allocator``; the scheduler handles it)  | -            |
+| ``OutOfStateSlots``  | no free state slot (``kv.state_slots``; hybrid linear attention) | -            |
 
 Each keeps the builtin base it had before (``ValueError``, ``RuntimeError``), so code that
 caught those still does. Bad values keep raising ``ValueError`` (``ConfigError`` is one).

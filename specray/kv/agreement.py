@@ -24,6 +24,7 @@ from specray.config import KVConfig
 from specray.kv.budget import split_budget
 from specray.kv.geometry import KVLayout, PoolGeometry
 from specray.kv.page_size import check_target_page_size, choose_draft_page_size, has_separate_draft_pool
+from specray.kv.state import StateGeometry, StateLayout, StatePool, state_fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,29 +36,41 @@ class RankReport:
     target_kernels: dict[str, frozenset[int]]
     draft_layout: KVLayout | None = None
     draft_kernels: dict[str, frozenset[int]] = field(default_factory=dict)
+    state_layout: StateLayout | None = None  # hybrid linear attention: the state one sequence needs
 
 
-def decide(reports: list[RankReport], kv: KVConfig, method: str | None, dtype: str) -> dict[str, PoolGeometry]:
-    """The geometry every rank allocates, from every rank's report."""
+def decide(reports: list[RankReport], kv: KVConfig, method: str | None, dtype: str, *,
+           num_state_slots: int = 0) -> dict[str, PoolGeometry | StateGeometry]:
+    """The geometry every rank allocates, from every rank's report; a state layout gets
+    ``num_state_slots`` rows (``kv.state.num_state_slots``), reserved before the pages."""
     first = reports[0]
     for r in reports[1:]:
-        for name in ("target_layout", "draft_layout"):
+        for name in ("target_layout", "draft_layout", "state_layout"):
             if getattr(r, name) != getattr(first, name):
                 raise ValueError(f"rank {r.rank} needs {name} {getattr(r, name)}, rank 0 needs {getattr(first, name)}")
     target_page = check_target_page_size(kv.tokens_per_block, [r.target_kernels for r in reports])
     draft_page = choose_draft_page_size(method, target_page, [r.draft_kernels for r in reports])
     separate = has_separate_draft_pool(method)
+    state = None
+    if first.state_layout is not None:
+        if num_state_slots < 1:
+            raise ValueError(f"a model with linear-attention layers needs num_state_slots >= 1, not {num_state_slots}")
+        state = StateGeometry(layout=first.state_layout, num_slots=num_state_slots)
     return split_budget(
         budget_bytes=min(r.budget_bytes for r in reports), capacity_tokens=kv.capacity_tokens,
         target=first.target_layout, target_page=target_page,
         draft=first.draft_layout if separate else None, draft_page=draft_page if separate else None, dtype=dtype,
+        state=state,
     )
 
 
-def fingerprint(pools: dict[str, list[torch.Tensor]]) -> dict[str, dict]:
+def fingerprint(pools: dict[str, list[torch.Tensor] | StatePool]) -> dict[str, dict]:
     """What was really allocated, read from the tensors themselves."""
     out = {}
     for name, layers in pools.items():
+        if isinstance(layers, StatePool):
+            out[name] = state_fingerprint(layers)
+            continue
         blocks, rows, kv_heads, page, head_dim = layers[0].shape
         kind = "kv" if rows == 2 else "latent"
         out[name] = dict(kind=kind, tokens_per_block=page, num_blocks=blocks, num_layers=len(layers), num_kv_heads=kv_heads,
@@ -95,7 +108,7 @@ def agree(group: Group, report: RankReport, kv: KVConfig, method: str | None, dt
     return decision
 
 
-def verify(group: Group, pools: dict[str, list[torch.Tensor]]) -> None:
+def verify(group: Group, pools: dict[str, list[torch.Tensor] | StatePool]) -> None:
     """Step 4 (collective): rank 0 checks every rank's allocation; every rank raises its verdict."""
     fingerprints = group.gather_object(fingerprint(pools))
     verdict = None

@@ -3,6 +3,7 @@
 The split charges each pool at the page size it is allocated with: both pools hold the
 same number of tokens, a multiple of both page sizes, so every page is whole and the bytes
 charged are exactly ``PoolGeometry.num_bytes``, the bytes ``allocate_pool`` allocates.
+State slots (hybrid linear attention, ``kv/state.py``) are reserved before the split.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from specray.config import KVConfig
 from specray.kv.geometry import KVLayout, PoolGeometry
+from specray.kv.state import StateGeometry, reserve_state_bytes
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -51,11 +53,14 @@ def _geometry(layout: KVLayout, page: int, capacity: int, dtype: str) -> PoolGeo
 
 
 def split_budget(*, budget_bytes: int, capacity_tokens: int | None, target: KVLayout, target_page: int,
-                 draft: KVLayout | None, draft_page: int | None, dtype: str) -> dict[str, PoolGeometry]:
+                 draft: KVLayout | None, draft_page: int | None, dtype: str,
+                 state: StateGeometry | None = None) -> dict[str, PoolGeometry | StateGeometry]:
     """Target (and draft) pool geometry holding the same token capacity within the budget.
 
-    capacity = the explicit token capacity rounded up, or the most tokens whose pages in both
-    pools fit in budget_bytes; always a multiple of both page sizes."""
+    The state slots, if any, are reserved first (always, also with an explicit capacity: a budget
+    too small for them is an error); capacity = the explicit token capacity rounded up, or the
+    most tokens whose pages in both pools fit in what is left; always a multiple of both page sizes."""
+    page_budget = reserve_state_bytes(budget_bytes, state)
     pools = {"target": (target, target_page)}
     if draft is not None:
         pools["draft"] = (draft, draft_page)
@@ -64,9 +69,14 @@ def split_budget(*, budget_bytes: int, capacity_tokens: int | None, target: KVLa
         capacity = -(-capacity_tokens // unit) * unit
     else:
         bytes_per_unit = sum(_geometry(layout, page, unit, dtype).num_bytes for layout, page in pools.values())
-        capacity = budget_bytes // bytes_per_unit * unit
+        capacity = page_budget // bytes_per_unit * unit
         if capacity == 0:
-            raise ValueError(f"the KV budget ({budget_bytes} bytes) cannot hold {unit} tokens in every pool "
+            after = "" if state is None else f" left after {state.num_bytes} bytes of state slots"
+            raise ValueError(f"the KV budget ({page_budget} bytes{after}) cannot hold {unit} tokens in every pool "
                              f"({bytes_per_unit} bytes); raise kv.memory_fraction or kv.cpu_max_bytes, "
                              f"or set kv.capacity_tokens")
-    return {name: _geometry(layout, page, capacity, dtype) for name, (layout, page) in pools.items()}
+    geometry: dict[str, PoolGeometry | StateGeometry] = {
+        name: _geometry(layout, page, capacity, dtype) for name, (layout, page) in pools.items()}
+    if state is not None:
+        geometry["state"] = state
+    return geometry
