@@ -1,0 +1,230 @@
+"""Per-request draft lengths that maximise expected goodput (plain Python, no torch).
+
+Building blocks of adaptive speculation (issue 27), not yet wired into the step loop.
+
+Each request keeps a per-position acceptance estimate p_i: the probability that draft i is
+accepted given that drafts before it were, an exponential moving average of what its verify
+steps showed (drafts 0..n-1 accepted, draft n rejected when n < proposed, later ones unseen).
+A length k then yields ``expected_tokens(p, k) = 1 + sum_{i<k} prod_{j<=i} p_j`` tokens.
+
+Each step the decode rows (only they: prefill rows are not an argument, so an arriving
+prefill cannot change the choice) get the lengths k_r in [0, ceiling] that maximise
+
+    goodput(k) = sum_r expected_tokens(p_r, k_r) / T(k)
+
+with T the decode part of the modelled step time (``step_cost.StepCost``): the per-step and
+per-decode-row costs, one verify row plus one drafter row per draft token, and the drafter's
+sequential forwards (the longest length for a one-token-per-forward drafter, one for a block
+drafter, none for ngram). Length 0 is a plain step for that request.
+
+The search is exact (Dinkelbach's method for a ratio): for a rate lam, max N(k) - lam T(k)
+splits per request once the longest length m is fixed, so it is solved for every m in
+0..ceiling; lam is raised to the best ratio found until nothing beats it (a few rounds,
+O(rounds x rows x ceiling)). Ties go to the shorter length.
+
+Hysteresis: the previous step's lengths are kept (a new request starts at the best) unless
+the best choice's modelled goodput beats theirs by more than ``switch_margin`` (5%): timing
+noise moves the fit a little every step, and a near-tie would otherwise flap.
+
+Staleness of the estimate: a request at length 0 shows nothing, so after ``probe_interval``
+steps without a verify it drafts one token (a probe) to refresh p_0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from specray.errors import ConfigError
+from specray.executor.step_cost import StepCost, StepShape
+
+# how many sequential drafter forwards a longest length m costs, per spec method
+_ONE_PER_POSITION = ("draft_model", "eagle3", "mtp")
+_ONE_PER_BLOCK = ("dflash", "dspark")
+_NO_FORWARD = ("ngram",)
+
+
+def draft_forwards(method: str, longest: int) -> int:
+    """The drafter's sequential forwards for a step whose longest draft is ``longest``."""
+    if method in _ONE_PER_POSITION:
+        return longest  # one token per forward
+    if method in _ONE_PER_BLOCK:
+        return 1 if longest else 0  # a whole block in one forward
+    if method in _NO_FORWARD:
+        return 0  # prompt lookup runs no model
+    raise ConfigError(f"draft_forwards: spec method {method!r} must be one of "
+                      f"{_ONE_PER_POSITION + _ONE_PER_BLOCK + _NO_FORWARD}")
+
+
+def _check_ceiling(ceiling: int) -> None:
+    if not isinstance(ceiling, int) or ceiling < 0:
+        raise ConfigError(f"the draft length ceiling ({ceiling!r}) must be an integer >= 0 (num_draft_tokens)")
+
+
+def _check_probs(probs) -> None:
+    for i, p in enumerate(probs):
+        if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+            raise ConfigError(f"acceptance probability of draft position {i} ({p!r}) must be in [0, 1]")
+
+
+def expected_tokens(probs, length: int) -> float:
+    # tokens a verify of `length` drafts yields: the bonus plus each draft whose prefix all held
+    _check_probs(probs)
+    if not 0 <= length <= len(probs):
+        raise ConfigError(f"draft length ({length}) must be in [0, {len(probs)}] (one estimate per position)")
+    total, alive = 1.0, 1.0
+    for p in probs[:length]:
+        alive *= p
+        total += alive
+    return total
+
+
+def decode_seconds(cost: StepCost, lengths: list[int], method: str) -> float:
+    """Modelled seconds of the decode part of a step whose decode rows draft ``lengths``."""
+    n = sum(lengths)
+    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n, num_draft_rows=n,
+                                  num_draft_forwards=draft_forwards(method, max(lengths, default=0))))
+
+
+def goodput(probs_by_row, lengths: list[int], cost: StepCost, method: str) -> float:
+    """Expected tokens per modelled second of the decode rows at these lengths."""
+    tokens = sum(expected_tokens(p, k) for p, k in zip(probs_by_row, lengths))
+    seconds = decode_seconds(cost, lengths, method)
+    return tokens / seconds if seconds > 0 else math.inf
+
+
+def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> list[int]:
+    """The lengths (one per decode row, each in [0, ceiling]) of the highest modelled goodput."""
+    _check_ceiling(ceiling)
+    for probs in probs_by_row:
+        _check_probs(probs)
+        if len(probs) < ceiling:
+            raise ConfigError(f"{len(probs)} acceptance estimates cannot rate lengths up to the ceiling ({ceiling})")
+    if not probs_by_row:
+        return []
+    gains = [[expected_tokens(p, k) for k in range(ceiling + 1)] for p in probs_by_row]
+    per_token = cost.c_per_draft_token
+    fixed = cost.c_step + cost.c_decode_row * len(gains)
+    lengths = [0] * len(gains)
+    rate = goodput(probs_by_row, lengths, cost, method)
+    if math.isinf(rate):  # a plain step modelled free: draft only if drafting is free too
+        full = [ceiling] * len(gains)
+        return full if decode_seconds(cost, full, method) == 0 else lengths
+    for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard
+        best, best_value = None, 1e-12 * len(gains)  # N - lam T is 0 at the current lengths
+        # for each row, the best k <= m at this rate, as m grows (a running argmax)
+        pick = [0] * len(gains)
+        for m in range(ceiling + 1):
+            for r, g in enumerate(gains):
+                if g[m] - rate * per_token * m > g[pick[r]] - rate * per_token * pick[r]:
+                    pick[r] = m
+            seconds = fixed + per_token * sum(pick) + cost.c_draft_forward * draft_forwards(method, m)
+            value = sum(g[k] for g, k in zip(gains, pick)) - rate * seconds
+            if value > best_value:
+                best, best_value = list(pick), value
+        if best is None:
+            return lengths
+        lengths, rate = best, goodput(probs_by_row, best, cost, method)
+    return lengths
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftLengthPolicy:
+    ceiling: int
+    """The longest draft (SpecConfig.num_draft_tokens)."""
+    ema_weight: float = 0.25
+    """The weight of the newest verify step in each acceptance estimate."""
+    prior_acceptance: float = 0.5
+    """Each position's estimate before a request has shown anything."""
+    switch_margin: float = 0.05
+    """Keep the previous lengths unless the best beats their modelled goodput by this fraction."""
+    probe_interval: int = 32
+    """Steps without a verify after which a request at length 0 drafts one token."""
+
+    def __post_init__(self) -> None:
+        _check_ceiling(self.ceiling)
+        _require_in(self.ema_weight, "ema_weight", 0.0, 1.0, low_open=True)
+        _require_in(self.prior_acceptance, "prior_acceptance", 0.0, 1.0)
+        if not (isinstance(self.switch_margin, (int, float)) and self.switch_margin >= 0):
+            raise ConfigError(f"switch_margin ({self.switch_margin!r}) must be >= 0 (a fraction of goodput)")
+        if not isinstance(self.probe_interval, int) or self.probe_interval < 1:
+            raise ConfigError(f"probe_interval ({self.probe_interval!r}) must be an integer >= 1 (steps)")
+
+
+def _require_in(value, name: str, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise ConfigError(f"{name} ({value!r}) must be in {'(' if low_open else '['}{low}, {high}]")
+
+
+@dataclass(slots=True)
+class AcceptanceEMA:
+    """One request's per-position acceptance estimates (see the module docstring)."""
+
+    probs: list[float]
+    steps_unverified: int = 0  # steps since it last verified a draft
+
+    def record(self, proposed: int, accepted: int, weight: float) -> None:
+        if not 0 <= accepted <= proposed <= len(self.probs):
+            raise ConfigError(f"accepted ({accepted}) <= proposed ({proposed}) <= ceiling ({len(self.probs)}) "
+                              f"must hold, each >= 0")
+        if not proposed:
+            return  # nothing was verified: nothing was seen
+        self.steps_unverified = 0
+        # drafts 0..accepted-1 held; draft `accepted` was rejected if it was proposed; later ones unseen
+        for i in range(min(accepted + 1, proposed)):
+            seen = 1.0 if i < accepted else 0.0
+            self.probs[i] += weight * (seen - self.probs[i])
+
+
+@dataclass(slots=True)
+class DraftLengthController:
+    """The lengths of each step's decode rows, with hysteresis and probes; counts the choices."""
+
+    policy: DraftLengthPolicy
+    method: str
+    requests: dict[int, AcceptanceEMA] = field(default_factory=dict)
+    chosen: dict[int, int] = field(default_factory=dict)  # each request's held length (before probes)
+    length_histogram: Counter = field(default_factory=Counter)  # decode rows per length run
+    num_steps_without_drafting: int = 0
+    num_switches: int = 0  # steps whose held lengths changed for a request that already had one
+
+    def _state(self, seq_id: int) -> AcceptanceEMA:
+        if seq_id not in self.requests:
+            self.requests[seq_id] = AcceptanceEMA([self.policy.prior_acceptance] * self.policy.ceiling)
+        return self.requests[seq_id]
+
+    def decide(self, decode_ids: list[int], cost: StepCost) -> list[int]:
+        """Lengths for this step's decode rows (prefill rows are not passed: they never draft)."""
+        draft_forwards(self.method, 0)  # an unknown method fails here, before any state changes
+        states = [self._state(s) for s in decode_ids]
+        probs = [st.probs for st in states]
+        best = best_lengths(probs, cost, self.method, self.policy.ceiling)
+        held = [self.chosen.get(s, b) for s, b in zip(decode_ids, best)]
+        lengths = held
+        if best != held and goodput(probs, best, cost, self.method) > \
+                (1 + self.policy.switch_margin) * goodput(probs, held, cost, self.method):
+            lengths = best
+            self.num_switches += 1  # a row that differs already had a length (a new one holds the best)
+        self.chosen.update(zip(decode_ids, lengths))
+        run = [1 if k == 0 and st.steps_unverified >= self.policy.probe_interval and self.policy.ceiling else k
+               for k, st in zip(lengths, states)]
+        for st in states:
+            st.steps_unverified += 1
+        self.length_histogram.update(run)
+        self.num_steps_without_drafting += bool(decode_ids) and not any(run)
+        return run
+
+    def record(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """What a decode row's verify showed (``proposed`` 0: it drafted nothing)."""
+        self._state(seq_id).record(proposed, accepted, self.policy.ema_weight)
+
+    def forget(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)
+        self.chosen.pop(seq_id, None)
+
+    def stats(self) -> dict:
+        return {"draft_length_histogram": [self.length_histogram[k] for k in range(self.policy.ceiling + 1)],
+                "num_steps_without_drafting": self.num_steps_without_drafting,
+                "num_draft_length_switches": self.num_switches}

@@ -1,0 +1,162 @@
+"""Per-request draft lengths (executor/draft_length.py): the expected-token rule with literals,
+the exact search against brute force, a replay of recorded histories and step times whose
+length is computed by hand, prefill rows outside the decision, stability under a steady
+noisy load (and a mutation: without the margin it flaps), the extremes, probes, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from specray.executor.draft_length import (AcceptanceEMA, DraftLengthController, DraftLengthPolicy, best_lengths,
+                                           decode_seconds, draft_forwards, expected_tokens, goodput)
+from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape, fit_step_cost
+
+CPU = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)  # about the issue's 34 ms / 8 rows
+
+
+def test_expected_tokens_is_one_plus_the_surviving_prefixes():
+    p = [0.8, 0.5, 0.25]
+    assert expected_tokens(p, 0) == 1.0
+    assert expected_tokens(p, 1) == pytest.approx(1.8)
+    assert expected_tokens(p, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_the_ema_sees_accepted_drafts_and_the_first_rejection_only():
+    ema = AcceptanceEMA([0.5, 0.5, 0.5])
+    ema.record(proposed=3, accepted=1, weight=0.5)  # draft 0 held, draft 1 rejected, draft 2 unseen
+    assert ema.probs == [0.75, 0.25, 0.5]
+    ema.record(proposed=0, accepted=0, weight=0.5)  # drafted nothing: nothing seen
+    assert ema.probs == [0.75, 0.25, 0.5]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dflash", "ngram"])
+def test_the_search_is_exact_against_brute_force(method):
+    rng = random.Random(3)
+    for _ in range(40):
+        ceiling, rows = rng.randint(0, 3), rng.randint(1, 4)
+        probs = [[rng.random() for _ in range(ceiling)] for _ in range(rows)]
+        cost = StepCost(c_step=rng.uniform(0, 0.02), c_decode_row=rng.uniform(0, 0.005),
+                        c_verify_row=rng.uniform(0, 0.005), c_draft_row=rng.uniform(0, 0.002),
+                        c_draft_forward=rng.uniform(0, 0.01))
+        best = max(goodput(probs, list(k), cost, method)
+                   for k in itertools.product(range(ceiling + 1), repeat=rows))
+        chosen = best_lengths(probs, cost, method, ceiling)
+        assert goodput(probs, chosen, cost, method) == pytest.approx(best, rel=1e-12)
+
+
+def test_a_replay_of_histories_and_step_times_gives_the_length_the_rule_says():
+    # recorded step times (decode rows, verify rows) -> ms: exactly 10 + 3 d + 3 v
+    times = [((1, 0), 13.0), ((2, 0), 16.0), ((2, 6), 34.0), ((1, 3), 22.0)]
+    samples = [(StepShape(num_decode_rows=d, num_verify_rows=v), ms / 1e3) for (d, v), ms in times]
+    # ngram drafts without a model: the drafter's features never varied, a vanishing prior keeps them 0
+    cost = fit_step_cost(samples, prior=StepCost(), prior_weight=1e-9)
+    assert (cost.c_step, cost.c_decode_row, cost.c_verify_row) == pytest.approx((0.010, 0.003, 0.003), rel=1e-6)
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, ema_weight=0.5, prior_acceptance=0.5), "ngram")
+    for proposed, accepted in [(3, 3), (3, 3), (3, 1)]:
+        ctl.record(0, proposed, accepted)  # A: [.5]*3 -> [.75]*3 -> [.875]*3 -> [.9375, .4375, .875]
+    for proposed, accepted in [(3, 0), (3, 0)]:
+        ctl.record(1, proposed, accepted)  # B: position 0 -> .25 -> .125, the rest unseen: [.125, .5, .5]
+    assert ctl.requests[0].probs == [0.9375, 0.4375, 0.875] and ctl.requests[1].probs == [0.125, 0.5, 0.5]
+    # E_A(k) = 1, 1.9375, 2.34765625, 2.70654296875; E_B(k) = 1, 1.125, 1.1875, 1.21875; T = 16 + 3 (kA + kB) ms
+    # tokens per ms: (0,0) 2/16 = .1250, (1,0) 2.9375/19 = .1546, (2,0) 3.3477/22 = .1522, (3,0) .1483,
+    # (1,1) 3.0625/22 = .1392: B's first draft adds .125 tokens for 3 ms, A's second .41 for 3 ms, both below .1546
+    assert ctl.decide([0, 1], cost) == [1, 0]
+    assert goodput(list(ctl.requests[i].probs for i in (0, 1)), [1, 0], cost, "ngram") == \
+        pytest.approx(2.9375 / 0.019)
+
+
+def test_the_decision_ignores_prefill_rows():
+    probs = [[0.9, 0.8, 0.7, 0.6]] * 4
+    # the prefill coefficient (what a step with a prompt chunk adds) does not enter the decode rows' time
+    heavy = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003, c_prefill_token=0.05)
+    assert decode_seconds(heavy, [2, 2, 0, 1], "ngram") == decode_seconds(CPU, [2, 2, 0, 1], "ngram")
+    assert best_lengths(probs, heavy, "ngram", 4) == best_lengths(probs, CPU, "ngram", 4)
+    # a request arriving as a prefill row is not a decode row: the running rows keep their lengths
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=4), "draft_model")
+    for sid in range(4):
+        for _ in range(8):
+            ctl.record(sid, 4, 2)
+    before = ctl.decide([0, 1, 2, 3], CPU)
+    assert ctl.decide([0, 1, 2, 3], heavy) == before  # the step also runs request 4's prompt chunk
+    assert 4 not in ctl.requests
+
+
+def _steady_run(margin: float, seed: int = 11, steps: int = 300) -> int:
+    """Switches over the last 200 of ``steps`` steps: 8 requests accepting each draft w.p. 0.7,
+    a CPU-like machine whose step times carry 10% noise, the cost fitted online. A near tie on
+    purpose: the true model gives 329 tok/s at k = 2 and 323 at k = 3 (235 plain)."""
+    rng = random.Random(seed)
+    true = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0012)
+    online = OnlineStepCost(true, window=64)
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=4, switch_margin=margin), "ngram")
+    ids = list(range(8))
+    switches_before = 0
+    for step in range(steps):
+        if step == steps - 200:
+            switches_before = ctl.num_switches
+        lengths = ctl.decide(ids, online.cost)
+        for sid, k in zip(ids, lengths):
+            accepted = next((i for i in range(k) if rng.random() >= 0.7), k)
+            ctl.record(sid, k, accepted)
+        shape = StepShape(num_decode_rows=len(ids), num_verify_rows=sum(lengths))
+        online.record(shape, true.predict(shape) * max(0.5, 1 + rng.gauss(0, 0.1)))
+    return ctl.num_switches - switches_before
+
+
+def test_lengths_are_stable_under_a_steady_load():
+    assert _steady_run(margin=0.05) <= 4  # at most 2 switches per 100 steps
+    # mutation: without the margin the same load flaps (the estimates and the fit move every step)
+    assert _steady_run(margin=0.0) > 3 * max(_steady_run(margin=0.05), 1)
+
+
+def test_acceptance_zero_gives_length_zero_and_one_with_cheap_verify_the_ceiling():
+    cheap = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=1e-5, c_draft_row=1e-5, c_draft_forward=1e-5)
+    for method in ("draft_model", "dflash", "ngram"):
+        assert best_lengths([[0.0] * 5] * 3, cheap, method, 5) == [0, 0, 0]
+        assert best_lengths([[1.0] * 5] * 3, cheap, method, 5) == [5, 5, 5]
+        assert best_lengths([[1.0] * 5] * 3, cheap, method, 0) == [0, 0, 0]  # ceiling 0: plain steps
+    # a verify row costing three plain rows: even drafts certain to hold lose to plain steps
+    costly = StepCost(c_step=0.0, c_decode_row=0.003, c_verify_row=0.009)
+    assert best_lengths([[1.0] * 4] * 8, costly, "ngram", 4) == [0] * 8
+
+
+def test_a_request_at_length_zero_probes_after_the_interval():
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0), "ngram")
+    runs = [ctl.decide([7], CPU) for _ in range(6)]
+    assert runs == [[0], [0], [0], [0], [1], [1]]
+    ctl.record(7, 1, 0)  # the probe was verified (and rejected): the interval starts again
+    assert [ctl.decide([7], CPU) for _ in range(5)] == [[0], [0], [0], [0], [1]]
+    stats = ctl.stats()
+    assert stats["draft_length_histogram"] == [8, 3, 0, 0]
+    assert stats["num_steps_without_drafting"] == 8
+    ctl.forget(7)
+    assert 7 not in ctl.requests and 7 not in ctl.chosen
+
+
+def test_draft_forwards_per_method():
+    assert [draft_forwards(m, 3) for m in ("draft_model", "eagle3", "mtp", "dflash", "dspark", "ngram")] == \
+        [3, 3, 3, 1, 1, 0]
+    assert draft_forwards("dflash", 0) == 0
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: best_lengths([[0.5]], CPU, "ngram", -1), r"ceiling \(-1\) must be an integer >= 0"),
+    (lambda: best_lengths([[0.5, 1.5]], CPU, "ngram", 2), r"position 1 \(1.5\) must be in \[0, 1\]"),
+    (lambda: best_lengths([[-0.1]], CPU, "ngram", 1), r"position 0 \(-0.1\) must be in \[0, 1\]"),
+    (lambda: best_lengths([[0.5]], CPU, "ngram", 2), r"1 acceptance estimates cannot rate lengths up to the ceiling"),
+    (lambda: expected_tokens([0.5], 2), r"draft length \(2\) must be in \[0, 1\]"),
+    (lambda: DraftLengthPolicy(ceiling=-2), r"ceiling \(-2\) must be an integer >= 0"),
+    (lambda: DraftLengthPolicy(ceiling=4, ema_weight=0.0), r"ema_weight \(0.0\) must be in \(0.0, 1.0\]"),
+    (lambda: DraftLengthPolicy(ceiling=4, prior_acceptance=2), r"prior_acceptance \(2\) must be in \[0.0, 1.0\]"),
+    (lambda: DraftLengthPolicy(ceiling=4, switch_margin=-0.1), r"switch_margin \(-0.1\) must be >= 0"),
+    (lambda: DraftLengthPolicy(ceiling=4, probe_interval=0), r"probe_interval \(0\) must be an integer >= 1"),
+    (lambda: AcceptanceEMA([0.5]).record(1, 2, 0.5), r"accepted \(2\) <= proposed \(1\) <= ceiling \(1\)"),
+    (lambda: DraftLengthController(DraftLengthPolicy(ceiling=2), "medusa").decide([0], CPU),
+     r"spec method 'medusa' must be one of"),
+])
+def test_bad_input_names_the_value_and_the_rule(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

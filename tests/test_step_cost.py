@@ -1,0 +1,106 @@
+"""The step-cost model (executor/step_cost.py): exact fits of synthetic timing tables, the
+start-up probe's shapes determining every coefficient, the online fit tracking a change,
+and bad input named with its rule. Plain Python: no model, no torch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specray.executor.step_cost import (FEATURES, OnlineStepCost, StepCost, StepShape, fit_step_cost,
+                                        probe_shapes)
+
+# seconds per unit, chosen distinct so that a swapped coefficient shows
+TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,
+                c_draft_row=0.001, c_draft_forward=0.002)
+
+
+def _close(a: StepCost, b: StepCost, tol: float) -> bool:
+    return all(abs(x - y) <= tol for x, y in zip(a.coefficients, b.coefficients))
+
+
+def test_a_timing_table_fits_exactly_to_its_coefficients():
+    # each row: (decode rows, verify rows, prefill tokens, draft rows, draft forwards) -> ms, by hand:
+    # 10 + 3 d + 2.5 v + 0.4 p + 1 r + 2 f
+    table = [((1, 0, 0, 0, 0), 13.0), ((8, 0, 0, 0, 0), 34.0), ((0, 0, 64, 0, 0), 35.6),
+             ((1, 0, 0, 4, 4), 25.0), ((8, 0, 0, 32, 4), 74.0), ((8, 32, 0, 32, 4), 154.0),
+             ((1, 4, 0, 4, 4), 35.0)]
+    samples = [(StepShape(num_decode_rows=d, num_verify_rows=v, num_prefill_tokens=p, num_draft_rows=r,
+                          num_draft_forwards=f), ms / 1e3) for (d, v, p, r, f), ms in table]
+    fitted = fit_step_cost(samples)
+    assert _close(fitted, TRUE, 1e-12), fitted
+    assert fitted.predict(StepShape(num_decode_rows=4, num_verify_rows=8, num_draft_rows=8, num_draft_forwards=2)) \
+        == pytest.approx((10 + 12 + 20 + 8 + 4) / 1e3)
+
+
+@pytest.mark.parametrize("per_position", [True, False])
+def test_the_probe_shapes_determine_every_coefficient(per_position):
+    shapes = probe_shapes(max_num_seqs=8, ceiling=4, prefill_tokens=64, per_position=per_position)
+    assert _close(fit_step_cost([(s, TRUE.predict(s)) for s in shapes]), TRUE, 1e-12)
+    # mutation: drop any one shape and the table no longer determines the model
+    for i in range(len(shapes)):
+        rest = shapes[:i] + shapes[i + 1:]
+        with pytest.raises(ValueError, match="do not determine"):
+            fit_step_cost([(s, TRUE.predict(s)) for s in rest])
+
+
+def test_a_fitted_negative_coefficient_counts_as_zero():
+    # a table whose exact fit has c_prefill_token < 0 (prefill made the step faster)
+    samples = [(StepShape(num_decode_rows=1), 0.005), (StepShape(num_decode_rows=2), 0.007),
+               (StepShape(num_decode_rows=1, num_prefill_tokens=10), 0.004)]
+    cost = fit_step_cost([(s, t) for s, t in samples], prior=StepCost(), prior_weight=1e-9)
+    assert cost.c_prefill_token == 0.0
+    assert cost.c_decode_row == pytest.approx(0.002, rel=1e-6)
+
+
+def test_the_prior_holds_what_the_timings_do_not_show():
+    prior = StepCost(c_step=0.01, c_decode_row=0.003, c_verify_row=0.003, c_draft_row=0.0, c_draft_forward=0.0)
+    online = OnlineStepCost(prior, window=64, prior_weight=4.0)
+    # only plain steps, 5 ms per decode row instead of 3: the verify coefficient keeps its prior
+    for n in (1, 2, 4, 8) * 16:
+        cost = online.record(StepShape(num_decode_rows=n), 0.01 + 0.005 * n)
+    # 64 timings against a prior worth 4 steps: most of the way to the timings (ridge keeps a few %)
+    assert 0.0045 < cost.c_decode_row < 0.005
+    assert cost.c_verify_row == pytest.approx(0.003, rel=1e-9)
+    assert online.stats()["num_step_timings"] == 64
+    assert "decode_row" in online.describe()
+
+
+def test_the_online_fit_tracks_a_change_within_its_window():
+    rng = random.Random(7)
+    online = OnlineStepCost(StepCost(c_step=0.01, c_decode_row=0.003, c_verify_row=0.003), window=100)
+    slow = StepCost(c_step=0.02, c_decode_row=0.003, c_verify_row=0.006)
+
+    def run(true: StepCost, steps: int) -> StepCost:
+        for _ in range(steps):
+            shape = StepShape(num_decode_rows=rng.randint(1, 8), num_verify_rows=rng.randint(0, 32))
+            cost = online.record(shape, true.predict(shape) * (1 + rng.gauss(0, 0.02)))
+        return cost
+
+    first = run(TRUE, 300)
+    assert first.c_verify_row == pytest.approx(0.0025, rel=0.1)
+    second = run(slow, 300)  # the machine got slower (another job): the old steps left the window
+    assert second.c_verify_row == pytest.approx(0.006, rel=0.1)
+    assert second.c_step == pytest.approx(0.02, rel=0.2)
+
+
+def test_stats_and_describe_name_every_coefficient():
+    assert list(TRUE.as_dict()) == [f"c_{n}_s" for n in FEATURES]
+    assert TRUE.describe().startswith("step cost (ms): step 10")
+    assert TRUE.c_per_draft_token == pytest.approx(0.0035)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: StepShape(num_decode_rows=-1), r"num_decode_rows \(-1\) must be an integer >= 0"),
+    (lambda: StepCost(c_verify_row=-0.1), r"c_verify_row \(-0.1\) must be a finite number >= 0"),
+    (lambda: StepCost(c_step=float("nan")), r"c_step \(nan\) must be a finite"),
+    (lambda: fit_step_cost([(StepShape(), -1.0)]), r"step time \(-1.0\) must be a finite number of seconds >= 0"),
+    (lambda: fit_step_cost([], prior_weight=1.0), r"prior_weight \(1.0\) must be >= 0, and > 0 only with a prior"),
+    (lambda: OnlineStepCost(StepCost(), prior_weight=0), r"prior_weight \(0\) > 0"),
+    (lambda: probe_shapes(max_num_seqs=1, ceiling=4, prefill_tokens=8, per_position=True),
+     r"max_num_seqs \(1\) >= 2"),
+])
+def test_bad_input_names_the_value_and_the_rule(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
