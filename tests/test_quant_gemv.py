@@ -107,8 +107,10 @@ def test_the_edge_cases_are_in_the_blocks():
         else:
             assert set(first[1]) == {1.0} and set(first[2]) == {-1.0}  # d = 0: the block is m
             assert (first[4] < 0).any()  # a negative m
-        subnormal = first[3] if num_halves == 1 else first[5] - first[5].min()  # d * q, d subnormal / m subnormal
-        assert 0 < np.abs(subnormal).max() < 2.0 ** -14 * 128 if num_halves == 1 else 0 < np.abs(first[5]).min() < 2.0 ** -14
+        if num_halves == 1:  # row 3: d * q with d the largest negative subnormal
+            assert 0 < np.abs(first[3]).max() < 2.0 ** -14 * 128
+        else:  # row 5: m subnormal, so the weights with q = 0 are
+            assert 0 < np.abs(first[5]).min() < 2.0 ** -14
         scales = blocks.reshape(37, 18, -1)[:, :, :2].copy().view(np.float16).astype(np.float32)
         assert ((np.abs(scales) > 0) & (np.abs(scales) < 2.0 ** -14)).any()  # random subnormal scales too
         assert (scales < 0).any() and (scales == 0).any()

@@ -34,13 +34,17 @@ class QuantGemv:
         self._format.argtypes = [cint, ctypes.POINTER(cint), ctypes.POINTER(cint)]
         self._format.restype = cint
         self.max_rows = lib.specray_quant_max_rows()
+        self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
+
+    def _read_layout(self, ggml_type: int) -> tuple[int, int] | None:
+        size, nbytes = ctypes.c_int(), ctypes.c_int()
+        if self._format(ggml_type, ctypes.byref(size), ctypes.byref(nbytes)):
+            return None
+        return size.value, nbytes.value
 
     def block_layout(self, ggml_type: int) -> tuple[int, int] | None:
         """(weights per block, bytes per block) of a type the kernel takes, None for one it does not."""
-        size, nbytes = ctypes.c_int(), ctypes.c_int()
-        if self._format(int(ggml_type), ctypes.byref(size), ctypes.byref(nbytes)):
-            return None
-        return size.value, nbytes.value
+        return self._layouts.get(int(ggml_type))
 
     def has_kernel(self, ggml_type: int) -> bool:
         return self.block_layout(ggml_type) is not None

@@ -17,9 +17,13 @@
 #include <string.h>
 
 #include "vec.h"
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define QUANT_MAX_ROWS 32 /* small_gemm's limit (SMALL_GEMM_MAX_ROWS) */
-#define QUANT_ROW_BLOCK 8 /* rows of x per pass over a row of w: accumulators in registers */
+#define QUANT_ROW_BLOCK 8 /* rows of x per pass over the rows of w: accumulators in registers */
+#define QUANT_MAX_COLUMNS 4 /* rows of w per pass (quant_rows) */
 #define QUANT_PARALLEL_MIN_BYTES (1.5 * 1024 * 1024) /* small_gemm's one-thread rule, on the bytes read */
 
 typedef uint8_t bytes16 __attribute__((vector_size(16)));
@@ -27,10 +31,14 @@ typedef int8_t sbytes16 __attribute__((vector_size(16)));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
-/* IEEE half to float, exact (subnormal halves become normal floats). */
+/* IEEE half to float, exact (subnormal halves become normal floats): F16C's vcvtph2ps where
+ * the machine has it (the bit arithmetic below cost about half of a Q4_1 block's time). */
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
     uint32_t bits;
     if (exp == 0x1f) {
@@ -53,6 +61,34 @@ static inline bytes16 load16(const uint8_t *p) {
     return v;
 }
 
+/* 16 bytes to 16 floats (exact). GCC 12 widens a byte vector to floats lane by lane
+ * (vpinsrd, measured 5-10x slower than float32), so the x86 widening instructions are
+ * named where the machine has them; the generic form serves the others. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline ivec unsigned_to_ivec(bytes16 q) { return (ivec)_mm512_cvtepu8_epi32((__m128i)q); }
+static inline ivec signed_to_ivec(sbytes16 q) { return (ivec)_mm512_cvtepi8_epi32((__m128i)q); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline ivec two_halves(__m256i lo, __m256i hi) {
+    ivec v;
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+    return v;
+}
+static inline ivec unsigned_to_ivec(bytes16 q) {
+    return two_halves(_mm256_cvtepu8_epi32((__m128i)q), _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)q, 8)));
+}
+static inline ivec signed_to_ivec(sbytes16 q) {
+    return two_halves(_mm256_cvtepi8_epi32((__m128i)q), _mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)q, 8)));
+}
+#else
+static inline ivec unsigned_to_ivec(bytes16 q) { return __builtin_convertvector(q, ivec); }
+static inline ivec signed_to_ivec(sbytes16 q) { return __builtin_convertvector(q, ivec); }
+#endif
+static inline vec unsigned_to_vec(bytes16 q) { return __builtin_convertvector(unsigned_to_ivec(q), vec); }
+static inline vec signed_to_vec(sbytes16 q) { return __builtin_convertvector(signed_to_ivec(q), vec); }
+
 /* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out. */
 enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
 
@@ -72,24 +108,24 @@ static inline __attribute__((always_inline)) void dequantize(int FMT, const uint
         sbytes16 q0, q1;
         memcpy(&q0, b + 2, 16);
         memcpy(&q1, b + 18, 16);
-        *lo = __builtin_convertvector(q0, vec) * d;
-        *hi = __builtin_convertvector(q1, vec) * d;
+        *lo = signed_to_vec(q0) * d;
+        *hi = signed_to_vec(q1) * d;
     } else if (FMT == Q4_0) { /* half d, nibbles (low: 0-15, high: 16-31): d * (q - 8) */
-        const bytes16 q = load16(b + 2);
+        const ivec q = unsigned_to_ivec(load16(b + 2)); /* nibbles split in int32 lanes: x86 has no byte shift */
         *lo = (__builtin_convertvector(q & 15, vec) - 8.0f) * d;
         *hi = (__builtin_convertvector(q >> 4, vec) - 8.0f) * d;
     } else if (FMT == Q4_1) { /* half d, half m, nibbles: d * q + m */
         const float m = half_to_float(b + 2);
-        const bytes16 q = load16(b + 4);
+        const ivec q = unsigned_to_ivec(load16(b + 4));
         *lo = __builtin_convertvector(q & 15, vec) * d + m;
         *hi = __builtin_convertvector(q >> 4, vec) * d + m;
     } else { /* Q5_0: half d, qh[4], nibbles: d * (q - 16); Q5_1: half d, half m, qh[4], nibbles: d * q + m */
         const uint8_t *qh = b + (FMT == Q5_0 ? 2 : 4);
-        const bytes16 q = load16(qh + 4);
+        const ivec q = unsigned_to_ivec(load16(qh + 4));
         ivec h0, h1;
         q5_high_bits(qh, &h0, &h1);
-        const vec q0 = __builtin_convertvector(__builtin_convertvector(q & 15, ivec) | h0, vec);
-        const vec q1 = __builtin_convertvector(__builtin_convertvector(q >> 4, ivec) | h1, vec);
+        const vec q0 = __builtin_convertvector((q & 15) | h0, vec);
+        const vec q1 = __builtin_convertvector((q >> 4) | h1, vec);
         if (FMT == Q5_0) {
             *lo = (q0 - 16.0f) * d;
             *hi = (q1 - 16.0f) * d;
@@ -109,46 +145,65 @@ static const struct {
 } FORMATS[] = {[Q8_0] = {8, 34}, [Q4_0] = {2, 18}, [Q4_1] = {3, 20}, [Q5_0] = {6, 22}, [Q5_1] = {7, 24}};
 #define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
 
-/* Output n for M rows of x (M a compile-time constant at each call site): each block
- * dequantized once for all M rows, small_gemm's FMAs lane for lane. */
-static inline __attribute__((always_inline)) void quant_row(
-        int FMT, int M, const float *x, const uint8_t *w, const float *bias, float *y,
+/* Outputs n .. n + C - 1 for M rows of x (C, M compile-time constants at each call site):
+ * each block dequantized once for all M rows, small_gemm's FMAs lane for lane. C rows of w at
+ * a time because one output's sum is one chain of dependent FMAs (small_gemm's order), and a
+ * block of 32 quantized weights is only 18-34 bytes: one chain would read 20 bytes per two
+ * FMA latencies (~4 GB/s measured for Q4_1); C independent chains keep C times that in flight. */
+static inline __attribute__((always_inline)) void quant_rows(
+        int FMT, int C, int M, const float *x, const uint8_t *w, const float *bias, float *y,
         int64_t n, int64_t N, int64_t K) {
-    vec acc[QUANT_ROW_BLOCK];
-    for (int m = 0; m < M; ++m) acc[m] = (vec){0};
-    const uint8_t *wr = w + n * (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
-    for (int64_t k = 0; k < K; k += BLOCK_SIZE, wr += FORMATS[FMT].block_bytes) {
-        vec lo, hi;
-        dequantize(FMT, wr, &lo, &hi);
+    vec acc[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS];
+    const uint8_t *wr[QUANT_MAX_COLUMNS];
+    const int64_t row_bytes = (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
+    for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * row_bytes;
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) acc[m][c] = (vec){0};
+    for (int64_t k = 0, at = 0; k < K; k += BLOCK_SIZE, at += FORMATS[FMT].block_bytes) {
+        vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
+        for (int c = 0; c < C; ++c) dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
         for (int m = 0; m < M; ++m) {
-            acc[m] += load(x + m * K + k) * lo;
-            acc[m] += load(x + m * K + k + LANES) * hi;
+            const vec xl = load(x + m * K + k), xh = load(x + m * K + k + LANES);
+            for (int c = 0; c < C; ++c) {
+                acc[m][c] += xl * lo[c];
+                acc[m][c] += xh * hi[c];
+            }
         }
     }
-    for (int m = 0; m < M; ++m) y[m * N + n] = lane_sum(acc[m]) + (bias ? bias[n] : 0.0f);
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) y[m * N + n + c] = lane_sum(acc[m][c]) + (bias ? bias[n + c] : 0.0f);
 }
 
-/* The driver, one instance per format: outputs split statically over threads, as small_gemm. */
+/* Outputs n .. n + C - 1 for all M rows of x, QUANT_ROW_BLOCK rows at a time. */
+static inline __attribute__((always_inline)) void quant_block(
+        int FMT, int C, const float *x, const uint8_t *w, const float *bias, float *y,
+        int64_t n, int64_t M, int64_t N, int64_t K) {
+    for (int64_t m = 0; m < M; m += QUANT_ROW_BLOCK) {
+        const float *xm = x + m * K;
+        float *ym = y + m * N;
+        switch (M - m < QUANT_ROW_BLOCK ? M - m : QUANT_ROW_BLOCK) {
+            case 1: quant_rows(FMT, C, 1, xm, w, bias, ym, n, N, K); break;
+            case 2: quant_rows(FMT, C, 2, xm, w, bias, ym, n, N, K); break;
+            case 3: quant_rows(FMT, C, 3, xm, w, bias, ym, n, N, K); break;
+            case 4: quant_rows(FMT, C, 4, xm, w, bias, ym, n, N, K); break;
+            case 5: quant_rows(FMT, C, 5, xm, w, bias, ym, n, N, K); break;
+            case 6: quant_rows(FMT, C, 6, xm, w, bias, ym, n, N, K); break;
+            case 7: quant_rows(FMT, C, 7, xm, w, bias, ym, n, N, K); break;
+            default: quant_rows(FMT, C, 8, xm, w, bias, ym, n, N, K); break;
+        }
+    }
+}
+
+/* The driver, one instance per format: QUANT_MAX_COLUMNS rows of w per step, split statically
+ * over threads as small_gemm does, the last N % QUANT_MAX_COLUMNS outputs one by one. */
 #define DRIVER(FMT)                                                                                           \
     static void gemv_##FMT(const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N, \
                            int64_t K, int threads) {                                                          \
+        const int64_t full = N - N % QUANT_MAX_COLUMNS;                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t n = 0; n < N; ++n) {                                                                     \
-            for (int64_t m = 0; m < M; m += QUANT_ROW_BLOCK) {                                                \
-                const float *xm = x + m * K;                                                                  \
-                float *ym = y + m * N;                                                                        \
-                switch (M - m < QUANT_ROW_BLOCK ? M - m : QUANT_ROW_BLOCK) {                                  \
-                    case 1: quant_row(FMT, 1, xm, w, bias, ym, n, N, K); break;                               \
-                    case 2: quant_row(FMT, 2, xm, w, bias, ym, n, N, K); break;                               \
-                    case 3: quant_row(FMT, 3, xm, w, bias, ym, n, N, K); break;                               \
-                    case 4: quant_row(FMT, 4, xm, w, bias, ym, n, N, K); break;                               \
-                    case 5: quant_row(FMT, 5, xm, w, bias, ym, n, N, K); break;                               \
-                    case 6: quant_row(FMT, 6, xm, w, bias, ym, n, N, K); break;                               \
-                    case 7: quant_row(FMT, 7, xm, w, bias, ym, n, N, K); break;                               \
-                    default: quant_row(FMT, 8, xm, w, bias, ym, n, N, K); break;                              \
-                }                                                                                             \
-            }                                                                                                 \
-        }                                                                                                     \
+        for (int64_t n = 0; n < full; n += QUANT_MAX_COLUMNS)                                                 \
+            quant_block(FMT, QUANT_MAX_COLUMNS, x, w, bias, y, n, M, N, K);                                   \
+        for (int64_t n = full; n < N; ++n) quant_block(FMT, 1, x, w, bias, y, n, M, N, K);                    \
     }
 DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1)
 
