@@ -194,16 +194,27 @@ static inline __attribute__((always_inline)) void quant_block(
     }
 }
 
-/* The driver, one instance per format: QUANT_MAX_COLUMNS rows of w per step, split statically
- * over threads as small_gemm does, the last N % QUANT_MAX_COLUMNS outputs one by one. */
+/* C rows of w per pass for M rows of x: the M x C accumulators, 2 C dequantized vectors and the
+ * rows of x must stay in registers (32 on AVX-512): 4 up to 2 rows, 2 up to 4, else 1 (M chains). */
+static inline int columns_for(int64_t M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
+/* The driver, one instance per format: C rows of w per step, split statically over threads as
+ * small_gemm does, the last N % C outputs one by one. */
+#define PASS(FMT, C)                                                                                      \
+    do {                                                                                                  \
+        const int64_t full = N - N % (C);                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+        for (int64_t n = 0; n < full; n += (C)) quant_block(FMT, (C), x, w, bias, y, n, M, N, K);         \
+        for (int64_t n = full; n < N; ++n) quant_block(FMT, 1, x, w, bias, y, n, M, N, K);                \
+    } while (0)
 #define DRIVER(FMT)                                                                                           \
     static void gemv_##FMT(const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N, \
                            int64_t K, int threads) {                                                          \
-        const int64_t full = N - N % QUANT_MAX_COLUMNS;                                                       \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t n = 0; n < full; n += QUANT_MAX_COLUMNS)                                                 \
-            quant_block(FMT, QUANT_MAX_COLUMNS, x, w, bias, y, n, M, N, K);                                   \
-        for (int64_t n = full; n < N; ++n) quant_block(FMT, 1, x, w, bias, y, n, M, N, K);                    \
+        switch (columns_for(M)) {                                                                             \
+            case 4: PASS(FMT, 4); break;                                                                      \
+            case 2: PASS(FMT, 2); break;                                                                      \
+            default: PASS(FMT, 1); break;                                                                     \
+        }                                                                                                     \
     }
 DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1)
 
