@@ -24,7 +24,7 @@
 #define QUANT_MAX_ROWS 32 /* small_gemm's limit (SMALL_GEMM_MAX_ROWS) */
 #define QUANT_ROW_BLOCK 8 /* rows of x per pass over the rows of w: accumulators in registers */
 #define QUANT_MAX_COLUMNS 4 /* rows of w per pass (quant_rows) */
-#define QUANT_PARALLEL_MIN_BYTES (1.5 * 1024 * 1024) /* small_gemm's one-thread rule, on the bytes read */
+#define QUANT_PARALLEL_MIN_BYTES (1.5 * 1024 * 1024) /* small_gemm's one-thread rule (PARALLEL_MIN_BYTES) */
 
 typedef uint8_t bytes16 __attribute__((vector_size(16)));
 typedef int8_t sbytes16 __attribute__((vector_size(16)));
@@ -240,7 +240,7 @@ int specray_quant_format(int ggml_type, int *block_size, int *block_bytes) {
     return 0;
 }
 
-/* threads <= 0: small_gemm's rule on the bytes read (one thread for one row below 1.5 MiB,
+/* threads <= 0: small_gemm's rule (one thread for one row below 1.5 MiB of float32 weight,
  * else every thread); otherwise capped at OpenMP's maximum. Returns 0; -1 when M is out of
  * range, -2 for a type without a kernel, -3 when K is not a multiple of the block size. */
 int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
@@ -251,8 +251,10 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
     if (K % BLOCK_SIZE) return -3;
     const int all = omp_get_max_threads();
     if (threads <= 0) {
-        const double bytes = (double)N * (K / BLOCK_SIZE) * FORMATS[f].block_bytes;
-        threads = M == 1 && bytes < QUANT_PARALLEL_MIN_BYTES ? 1 : all;
+        /* on the float32 weight's size, as small_gemm: the time goes into dequantizing and
+         * FMAs, which scale with the weights, not the bytes read */
+        const double work = (double)N * K * sizeof(float);
+        threads = M == 1 && work < QUANT_PARALLEL_MIN_BYTES ? 1 : all;
     }
     if (threads > all) threads = all;
     DRIVERS[f](x, w, bias, y, M, N, K, threads);
