@@ -139,8 +139,9 @@ def bench_quant(rows_list, threads_list, rounds: int, footprint: int, read: int)
         qtype = GGMLQuantizationType[type_name]
         first = random_blocks(qtype, n, k, gen)
         dense = torch.from_numpy(quants.dequantize(first.numpy(), qtype))
-        copies = {"f32": [dense] + [dense.clone() for _ in range(max(1, -(-footprint // (n * k * 4)) - 1))],
-                  "quant": [first] + [random_blocks(qtype, n, k, gen) for _ in range(max(1, -(-footprint // first.numel()) - 1))]}
+        more_f32, more_quant = (max(1, -(-footprint // size) - 1) for size in (n * k * 4, first.numel()))
+        copies = {"f32": [dense] + [dense.clone() for _ in range(more_f32)],
+                  "quant": [first] + [random_blocks(qtype, n, k, gen) for _ in range(more_quant)]}
         for rows in rows_list:
             x = torch.randn(rows, k, generator=gen)
             for threads in threads_list:
