@@ -1,6 +1,7 @@
 """The batch-1 (and few-row) GEMV of a CPU rank: GB/s of weight read, BLAS against small_gemm.
 
     python -m benchmarks.bench_gemv [--rows 1,4,6,8] [--threads 1,2] [--rounds 5] [--plans]
+    python -m benchmarks.bench_gemv --quant   (the GGUF block-quantized GEMV, bench_quant)
 
 For each weight shape of SmolLM2-135M (qkv, o, gate_up, down, LM head and its TP 3 shard)
 and mid-llama (gate_up, down), each row count and thread count: ``F.linear`` (BLAS),
@@ -108,6 +109,61 @@ def bench(rows_list, threads_list, rounds: int, footprint: int, read: int, plans
     return results
 
 
+# SmolLM2's layer shapes as its shipped GGUF file holds them: Q4_1 layers, the Q8_0 embedding (the tied LM head)
+QUANT_SHAPES = {"smollm2 q / o": (576, 576, "Q4_1"), "smollm2 gate / up": (1536, 576, "Q4_1"),
+                "smollm2 down": (576, 1536, "Q4_1"), "smollm2 lm head": (49152, 576, "Q8_0")}
+
+
+def random_blocks(ggml_type, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF blocks with finite fp16 scales (the speed does not depend on the values)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = torch.randint(0, 256, (n * k // block_size, block_bytes), dtype=torch.uint8, generator=gen)
+    num_halves = 2 if ggml_type.name in ("Q4_1", "Q5_1") else 1
+    blocks[:, : 2 * num_halves] = torch.tensor([0x00, 0x2C] * num_halves, dtype=torch.uint8)  # 0.0625
+    return blocks.reshape(n, -1)
+
+
+def bench_quant(rows_list, threads_list, rounds: int, footprint: int, read: int) -> list[dict]:
+    """GB/s of quantized bytes read by the block-quantized GEMV against small_gemm on the same
+    weight in float32 (GB/s of its float32 bytes), and their time ratio, alternating per round."""
+    from gguf import GGMLQuantizationType, quants
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("specray's CPU kernels are not available here (no compiler, or SPECRAY_CPU_KERNELS=0)")
+    results, saved = [], torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    for shape_name, (n, k, type_name) in QUANT_SHAPES.items():
+        qtype = GGMLQuantizationType[type_name]
+        first = random_blocks(qtype, n, k, gen)
+        dense = torch.from_numpy(quants.dequantize(first.numpy(), qtype))
+        more_f32, more_quant = (max(1, -(-footprint // size) - 1) for size in (n * k * 4, first.numel()))
+        copies = {"f32": [dense] + [dense.clone() for _ in range(more_f32)],
+                  "quant": [first] + [random_blocks(qtype, n, k, gen) for _ in range(more_quant)]}
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen)
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                fs = {"f32": lambda x, w: kernels.small_gemm(x, w, None),
+                      "quant": lambda x, w: kernels.quant.gemv(x, w, qtype, (n, k))}
+                best, turn = dict.fromkeys(fs, 0.0), 0
+                for _ in range(rounds):
+                    for name, f in fs.items():
+                        best[name] = max(best[name], gbps(f, x, copies[name], read, turn))
+                    turn += 2 + read // first.numel()
+                ratio = (best["quant"] / first.numel()) / (best["f32"] / (n * k * 4))  # f32 time / quant time
+                results.append({"shape": shape_name, "type": type_name, "n": n, "k": k, "rows": rows,
+                                "threads": threads, "gbps": {m: round(v, 2) for m, v in best.items()},
+                                "f32_time_over_quant_time": round(ratio, 2)})
+                print(f"{shape_name:18s} {type_name:5s} rows {rows:2d} thr {threads}: f32 {best['f32']:6.1f} GB/s, "
+                      f"quant {best['quant']:6.1f} GB/s of blocks, f32 time / quant time {ratio:5.2f}", flush=True)
+        del copies
+    torch.set_num_threads(saved)
+    return results
+
+
 def print_row(r: dict, first: bool) -> None:
     names = list(r["gbps"])
     if first:
@@ -128,6 +184,8 @@ def main() -> None:
                         help="weight read per timing (0: one call; with many rounds, the fastest call "
                              "estimates an uncontended machine's speed)")
     parser.add_argument("--plans", action="store_true", help="also every candidate plan")
+    parser.add_argument("--quant", action="store_true",
+                        help="the GGUF block-quantized GEMV on SmolLM2's shipped types against small_gemm in float32")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     parser.add_argument("--out", default="bench-results/gemv.json")
     args = parser.parse_args()
@@ -137,10 +195,16 @@ def main() -> None:
     for name in list(SHAPES):
         if name not in args.shapes.split(","):
             del SHAPES[name]
+    if args.quant and args.out == "bench-results/gemv.json":
+        args.out = "bench-results/gemv_quant.json"
     load_before = os.getloadavg()
     print(f"load average before {load_before}; torch threads {torch.get_num_threads()}")
     with torch.inference_mode():
-        results = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
+        if args.quant:
+            results = bench_quant([int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
+                                  args.rounds, args.footprint_mib * 2**20, args.read_mib * 2**20)
+        else:
+            results = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
                         args.rounds, args.footprint_mib * 2**20, args.read_mib * 2**20, args.plans)
     load_after = os.getloadavg()
     print(f"load average after {load_after}")

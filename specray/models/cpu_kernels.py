@@ -8,6 +8,8 @@
   model keeps one copy of each weight (see ``panel_gemm.c``).
 - ``rms_norm``, ``rope_store_kv`` and ``paged_attention``: the per-layer steps of decoding
   whose torch cost is the number of ops, fused into one call each (see ``decode_ops.c``).
+- ``quant.gemv``: ``small_gemm`` on a weight kept in its GGUF blocks, the same bits
+  (see ``quant_gemv.c``, ``quant_kernels.py``).
 
 They are compiled on the machine that runs them (``cc -O3 -march=native -fopenmp``, about
 two seconds) into ``$SPECRAY_CACHE/kernels/<hash of sources, compiler and CPU flags>/``;
@@ -36,6 +38,7 @@ import torch
 
 from specray.envs import cache_root
 from specray.errors import SpecrayError
+from specray.models.quant_kernels import QuantGemv
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,7 @@ class CpuKernels(FusedLayerKernels):
         self._layers.restype = ctypes.c_int
         self.max_rows = lib.specray_small_gemm_max_rows()
         self.max_head_dim = lib.specray_max_head_dim()  # paged_attention's limit
+        self.quant = QuantGemv(lib)  # the GGUF block-quantized GEMV (quant_kernels.py)
 
     def small_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for 1..max_rows rows (contiguous float32 CPU tensors, matching

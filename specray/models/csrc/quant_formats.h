@@ -1,0 +1,158 @@
+/* The GGUF block formats of quant_gemv.c: the table (GGML type id, bytes per block of 32) and how
+ * a block dequantizes, exactly as gguf.quants.dequantize does (see quant_gemv.c for why it is
+ * exact). Two forms of the same values: 16-float halves of a block where the machine has
+ * AVX-512, 8-float quarters elsewhere (AVX2: GCC keeps 16-float vectors in memory around the
+ * AVX2 widening instructions, 0.7 GB/s of Q4_1 measured; the quarters read 6.4). On this Zen 4
+ * (512-bit ops as two 256-bit halves) the 16-float form was as fast for Q4_1 and 30% faster for
+ * Q8_0 from L2 (docs/cpu-kernels.md). */
+#ifndef SPECRAY_QUANT_FORMATS_H
+#define SPECRAY_QUANT_FORMATS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
+typedef int8_t sbytes16 __attribute__((vector_size(16)));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* IEEE half to float, exact (subnormal halves become normal floats): F16C's vcvtph2ps where
+ * the machine has it (the bit arithmetic below cost about half of a Q4_1 block's time). */
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | mant << 13; /* inf, nan */
+    } else if (exp) {
+        bits = sign | (exp + 112) << 23 | mant << 13;
+    } else { /* zero or subnormal: mant * 2^-24, exact in float */
+        float f = (float)mant * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bytes16 load16(const uint8_t *p) {
+    bytes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out. */
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
+
+/* The table of formats: GGML type id (ggml.h's enum ggml_type) and bytes per block of BLOCK_SIZE
+ * weights; how each dequantizes is dequantize() (or dequantize8()) below, its driver in quant_gemv.c. */
+#define BLOCK_SIZE 32
+static const struct {
+    int ggml_type, block_bytes;
+} FORMATS[] = {[Q8_0] = {8, 34}, [Q4_0] = {2, 18}, [Q4_1] = {3, 20}, [Q5_0] = {6, 22}, [Q5_1] = {7, 24}};
+#define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
+
+#if defined(__AVX512F__)
+/* 16 bytes to 16 int32 lanes (exact): GCC 12 widens a byte vector lane by lane (vpinsrd,
+ * measured 5-10x slower than float32), so the AVX-512 widening instructions are named. */
+static inline ivec unsigned_to_ivec(bytes16 q) { return (ivec)_mm512_cvtepu8_epi32((__m128i)q); }
+static inline ivec signed_to_ivec(sbytes16 q) { return (ivec)_mm512_cvtepi8_epi32((__m128i)q); }
+static inline vec unsigned_to_vec(bytes16 q) { return __builtin_convertvector(unsigned_to_ivec(q), vec); }
+static inline vec signed_to_vec(sbytes16 q) { return __builtin_convertvector(signed_to_ivec(q), vec); }
+
+/* The fifth bit of each weight of a Q5 block: bit j of qh for weight j. */
+static inline void q5_high_bits(const uint8_t *qh_bytes, ivec *lo, ivec *hi) {
+    const uvec shift = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, sizeof qh); /* little-endian, as ggml writes it */
+    const uvec all = (uvec){0} + qh;
+    *lo = (ivec)(((all >> shift) & 1) << 4);
+    *hi = (ivec)(((all >> (shift + 16)) & 1) << 4);
+}
+
+static inline __attribute__((always_inline)) void dequantize(int FMT, const uint8_t *b, vec *lo, vec *hi) {
+    const float d = half_to_float(b);
+    if (FMT == Q8_0) { /* half d, int8 q[32]: d * q */
+        sbytes16 q0, q1;
+        memcpy(&q0, b + 2, 16);
+        memcpy(&q1, b + 18, 16);
+        *lo = signed_to_vec(q0) * d;
+        *hi = signed_to_vec(q1) * d;
+    } else if (FMT == Q4_0) { /* half d, nibbles (low: 0-15, high: 16-31): d * (q - 8) */
+        const ivec q = unsigned_to_ivec(load16(b + 2)); /* nibbles split in int32 lanes: x86 has no byte shift */
+        *lo = (__builtin_convertvector(q & 15, vec) - 8.0f) * d;
+        *hi = (__builtin_convertvector(q >> 4, vec) - 8.0f) * d;
+    } else if (FMT == Q4_1) { /* half d, half m, nibbles: d * q + m */
+        const float m = half_to_float(b + 2);
+        const ivec q = unsigned_to_ivec(load16(b + 4));
+        *lo = __builtin_convertvector(q & 15, vec) * d + m;
+        *hi = __builtin_convertvector(q >> 4, vec) * d + m;
+    } else { /* Q5_0: half d, qh[4], nibbles: d * (q - 16); Q5_1: half d, half m, qh[4], nibbles: d * q + m */
+        const uint8_t *qh = b + (FMT == Q5_0 ? 2 : 4);
+        const ivec q = unsigned_to_ivec(load16(qh + 4));
+        ivec h0, h1;
+        q5_high_bits(qh, &h0, &h1);
+        const vec q0 = __builtin_convertvector((q & 15) | h0, vec);
+        const vec q1 = __builtin_convertvector((q >> 4) | h1, vec);
+        if (FMT == Q5_0) {
+            *lo = (q0 - 16.0f) * d;
+            *hi = (q1 - 16.0f) * d;
+        } else {
+            const float m = half_to_float(b + 2);
+            *lo = q0 * d + m;
+            *hi = q1 * d + m;
+        }
+    }
+}
+
+#else
+/* The same block as four 8-float quarters w[0..3] (weights 0-7, 8-15, 16-23, 24-31): 256-bit ops. */
+typedef int32_t half_ivec __attribute__((vector_size(LANES / 2 * sizeof(int32_t))));
+typedef uint32_t half_uvec __attribute__((vector_size(LANES / 2 * sizeof(uint32_t))));
+#if defined(__AVX2__) /* vpmovzxbd / vpmovsxbd from 8 bytes */
+static inline half_ivec widen8_u(const uint8_t *p) { return (half_ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline half_ivec widen8_s(const uint8_t *p) { return (half_ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+typedef uint8_t bytes8 __attribute__((vector_size(8)));
+typedef int8_t sbytes8 __attribute__((vector_size(8)));
+static inline half_ivec widen8_u(const uint8_t *p) { bytes8 v; memcpy(&v, p, 8); return __builtin_convertvector(v, half_ivec); }
+static inline half_ivec widen8_s(const uint8_t *p) { sbytes8 v; memcpy(&v, p, 8); return __builtin_convertvector(v, half_ivec); }
+#endif
+
+static inline __attribute__((always_inline)) void dequantize8(int FMT, const uint8_t *b, half_vec w[4]) {
+    const float d = half_to_float(b);
+    if (FMT == Q8_0) {
+        for (int i = 0; i < 4; ++i) w[i] = __builtin_convertvector(widen8_s(b + 2 + 8 * i), half_vec) * d;
+        return;
+    }
+    const int qs_at = FMT == Q4_0 ? 2 : FMT == Q4_1 ? 4 : FMT == Q5_0 ? 6 : 8;
+    const half_ivec a = widen8_u(b + qs_at), c = widen8_u(b + qs_at + 8);
+    half_ivec q[4] = {a & 15, c & 15, a >> 4, c >> 4};
+    if (FMT == Q5_0 || FMT == Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, b + qs_at - 4, sizeof qh);
+        const half_uvec shift = {0, 1, 2, 3, 4, 5, 6, 7}, all = (half_uvec){0} + qh;
+        for (int i = 0; i < 4; ++i) q[i] |= (half_ivec)(((all >> (shift + 8 * i)) & 1) << 4);
+    }
+    if (FMT == Q4_0 || FMT == Q5_0) {
+        const float zero = FMT == Q4_0 ? 8.0f : 16.0f;
+        for (int i = 0; i < 4; ++i) w[i] = (__builtin_convertvector(q[i], half_vec) - zero) * d;
+    } else {
+        const float m = half_to_float(b + 2);
+        for (int i = 0; i < 4; ++i) w[i] = __builtin_convertvector(q[i], half_vec) * d + m;
+    }
+}
+
+#endif
+
+#endif

@@ -1,0 +1,175 @@
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for 1..32 float32 rows of x, with W kept in
+ * its GGUF blocks (row-major: output row n is K / block_size consecutive blocks).
+ *
+ * One driver and a table of formats (DESIGN.md): each format says how big a block is and how
+ * it dequantizes (quant_formats.h); the driver dequantizes each block in registers and
+ * accumulates exactly as small_gemm.c does on the dequantized float32 weight: lane j of one
+ * 16-lane accumulator per output adds x[k] * w[k] (one FMA) for k = j, j + 16, j + 32, ... in
+ * order, then lane_sum's fixed tree, then + bias (or + 0.0f). Every GGUF dequantization here
+ * is d * q, exact in float32 (an fp16 scale has 11 significant bits, q at most 8), plus at
+ * most one rounding (Q4_1 / Q5_1's "+ m"; fma(q, d, m) rounds the same exact d * q + m once,
+ * as numpy's (d * q) + m does), so the weights are bit for bit gguf.quants.dequantize's and
+ * the outputs bit for bit small_gemm's on them, at every row count and thread count.
+ * A block of 32 is two of small_gemm's 16-float steps and K is a multiple of 32: no tail.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#include "quant_formats.h"
+#include "vec.h"
+
+#define QUANT_MAX_ROWS 32 /* small_gemm's limit (SMALL_GEMM_MAX_ROWS) */
+#define QUANT_ROW_BLOCK 8 /* rows of x per pass over the rows of w: accumulators in registers */
+#define QUANT_MAX_COLUMNS 4 /* rows of w per pass (quant_rows) */
+#define QUANT_PARALLEL_MIN_BYTES (1.5 * 1024 * 1024) /* small_gemm's one-thread rule (PARALLEL_MIN_BYTES) */
+
+#if defined(__AVX512F__)
+/* Outputs n .. n + C - 1 for M rows of x (C, M compile-time constants at each call site):
+ * each block dequantized once for all M rows, small_gemm's FMAs lane for lane. C rows of w at
+ * a time because one output's sum is one chain of dependent FMAs (small_gemm's order), and a
+ * block of 32 quantized weights is only 18-34 bytes: one chain would read 20 bytes per two
+ * FMA latencies (~4 GB/s measured for Q4_1); C independent chains keep C times that in flight. */
+static inline __attribute__((always_inline)) void quant_rows(
+        int FMT, int C, int M, const float *x, const uint8_t *w, const float *bias, float *y,
+        int64_t n, int64_t N, int64_t K) {
+    vec acc[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS];
+    const uint8_t *wr[QUANT_MAX_COLUMNS];
+    const int64_t row_bytes = (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
+    for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * row_bytes;
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) acc[m][c] = (vec){0};
+    for (int64_t k = 0, at = 0; k < K; k += BLOCK_SIZE, at += FORMATS[FMT].block_bytes) {
+        vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
+        for (int c = 0; c < C; ++c) dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
+        for (int m = 0; m < M; ++m) {
+            const vec xl = load(x + m * K + k), xh = load(x + m * K + k + LANES);
+            for (int c = 0; c < C; ++c) {
+                acc[m][c] += xl * lo[c];
+                acc[m][c] += xh * hi[c];
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) y[m * N + n + c] = lane_sum(acc[m][c]) + (bias ? bias[n + c] : 0.0f);
+}
+
+#else
+/* The same on 8-float quarters of each block (quant_formats.h), for machines without AVX-512. */
+static inline __attribute__((always_inline)) void quant_rows(
+        int FMT, int C, int M, const float *x, const uint8_t *w, const float *bias, float *y,
+        int64_t n, int64_t N, int64_t K) {
+    /* each 16-lane accumulator as two 8-lane halves, as small_gemm's column_halves: lanes 0-7
+     * and 8-15 add the same products in the same order, and half_lane_sum(lo + hi) is lane_sum */
+    half_vec lo[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS], hi[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS];
+    const uint8_t *wr[QUANT_MAX_COLUMNS];
+    const int64_t row_bytes = (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
+    for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * row_bytes;
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) lo[m][c] = hi[m][c] = (half_vec){0};
+    for (int64_t k = 0, at = 0; k < K; k += BLOCK_SIZE, at += FORMATS[FMT].block_bytes) {
+        half_vec wq[QUANT_MAX_COLUMNS][4];
+        for (int c = 0; c < C; ++c) dequantize8(FMT, wr[c] + at, wq[c]);
+        for (int m = 0; m < M; ++m) {
+            const float *xm = x + m * K + k;
+            const half_vec x0 = load_half(xm), x1 = load_half(xm + 8), x2 = load_half(xm + 16), x3 = load_half(xm + 24);
+            for (int c = 0; c < C; ++c) {
+                lo[m][c] += x0 * wq[c][0];
+                hi[m][c] += x1 * wq[c][1];
+                lo[m][c] += x2 * wq[c][2];
+                hi[m][c] += x3 * wq[c][3];
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c)
+            y[m * N + n + c] = half_lane_sum(lo[m][c] + hi[m][c]) + (bias ? bias[n + c] : 0.0f);
+}
+
+#endif
+
+/* Outputs n .. n + C - 1 for all M rows of x, QUANT_ROW_BLOCK rows at a time. */
+static inline __attribute__((always_inline)) void quant_block(
+        int FMT, int C, const float *x, const uint8_t *w, const float *bias, float *y,
+        int64_t n, int64_t M, int64_t N, int64_t K) {
+    for (int64_t m = 0; m < M; m += QUANT_ROW_BLOCK) {
+        const float *xm = x + m * K;
+        float *ym = y + m * N;
+        switch (M - m < QUANT_ROW_BLOCK ? M - m : QUANT_ROW_BLOCK) {
+            case 1: quant_rows(FMT, C, 1, xm, w, bias, ym, n, N, K); break;
+            case 2: quant_rows(FMT, C, 2, xm, w, bias, ym, n, N, K); break;
+            case 3: quant_rows(FMT, C, 3, xm, w, bias, ym, n, N, K); break;
+            case 4: quant_rows(FMT, C, 4, xm, w, bias, ym, n, N, K); break;
+            case 5: quant_rows(FMT, C, 5, xm, w, bias, ym, n, N, K); break;
+            case 6: quant_rows(FMT, C, 6, xm, w, bias, ym, n, N, K); break;
+            case 7: quant_rows(FMT, C, 7, xm, w, bias, ym, n, N, K); break;
+            default: quant_rows(FMT, C, 8, xm, w, bias, ym, n, N, K); break;
+        }
+    }
+}
+
+/* C rows of w per pass for M rows of x: the M x C accumulators, 2 C dequantized vectors and the
+ * rows of x must stay in registers (32 on AVX-512): 4 up to 2 rows, 2 up to 4, else 1 (M chains). */
+static inline int columns_for(int64_t M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
+/* The driver, one instance per format: C rows of w per step, split statically over threads as
+ * small_gemm does, the last N % C outputs one by one. */
+#define PASS(FMT, C)                                                                                      \
+    do {                                                                                                  \
+        const int64_t full = N - N % (C);                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+        for (int64_t n = 0; n < full; n += (C)) quant_block(FMT, (C), x, w, bias, y, n, M, N, K);         \
+        for (int64_t n = full; n < N; ++n) quant_block(FMT, 1, x, w, bias, y, n, M, N, K);                \
+    } while (0)
+#define DRIVER(FMT)                                                                                           \
+    static void gemv_##FMT(const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N, \
+                           int64_t K, int threads) {                                                          \
+        switch (columns_for(M)) {                                                                             \
+            case 4: PASS(FMT, 4); break;                                                                      \
+            case 2: PASS(FMT, 2); break;                                                                      \
+            default: PASS(FMT, 1); break;                                                                     \
+        }                                                                                                     \
+    }
+DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1)
+
+typedef void (*quant_fn)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int);
+
+static const quant_fn DRIVERS[] = {[Q8_0] = gemv_Q8_0, [Q4_0] = gemv_Q4_0, [Q4_1] = gemv_Q4_1,
+                                   [Q5_0] = gemv_Q5_0, [Q5_1] = gemv_Q5_1};
+
+static int find_format(int ggml_type) {
+    for (int i = 0; i < NUM_FORMATS; ++i)
+        if (FORMATS[i].ggml_type == ggml_type) return i;
+    return -1;
+}
+
+int specray_quant_max_rows(void) { return QUANT_MAX_ROWS; }
+
+/* The table row for a GGML type: 0 with its block size and bytes, -2 when it has no kernel. */
+int specray_quant_format(int ggml_type, int *block_size, int *block_bytes) {
+    const int f = find_format(ggml_type);
+    if (f < 0) return -2;
+    *block_size = BLOCK_SIZE;
+    *block_bytes = FORMATS[f].block_bytes;
+    return 0;
+}
+
+/* threads <= 0: small_gemm's rule (one thread for one row below 1.5 MiB of float32 weight,
+ * else every thread); otherwise capped at OpenMP's maximum. Returns 0; -1 when M is out of
+ * range, -2 for a type without a kernel, -3 when K is not a multiple of the block size. */
+int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
+    if (M < 1 || M > QUANT_MAX_ROWS) return -1;
+    const int f = find_format(ggml_type);
+    if (f < 0) return -2;
+    if (K % BLOCK_SIZE) return -3;
+    const int all = omp_get_max_threads();
+    if (threads <= 0) {
+        /* on the float32 weight's size, as small_gemm: the time goes into dequantizing and
+         * FMAs, which scale with the weights, not the bytes read */
+        const double work = (double)N * K * sizeof(float);
+        threads = M == 1 && work < QUANT_PARALLEL_MIN_BYTES ? 1 : all;
+    }
+    if (threads > all) threads = all;
+    DRIVERS[f](x, w, bias, y, M, N, K, threads);
+    return 0;
+}

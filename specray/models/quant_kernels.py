@@ -1,0 +1,86 @@
+"""The GGUF block-quantized GEMV of ``csrc/quant_gemv.c``: ``x @ W.T (+ bias)`` for 1..32
+float32 rows of x, with W kept in its GGUF blocks (a uint8 tensor of raw blocks, row-major,
+as ``GGUFReader`` gives a tensor's data) and dequantized in registers.
+
+The contract is bit-equality: the result is ``small_gemm``'s on ``gguf.quants.dequantize``'s
+float32 weight, at every row and thread count (``tests/test_quant_gemv.py``). Not yet used
+by the model: the loader still dequantizes at load (issue 28 wires it in).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from gguf import GGMLQuantizationType
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"GGML type {ggml_type}"
+
+
+class QuantGemv:
+    """The loaded library's quantized entry points (built with the other CPU kernels)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._gemv = lib.specray_quant_gemv
+        self._gemv.argtypes = [cint] + [ptr] * 4 + [i64] * 3 + [cint]
+        self._gemv.restype = cint
+        self._format = lib.specray_quant_format
+        self._format.argtypes = [cint, ctypes.POINTER(cint), ctypes.POINTER(cint)]
+        self._format.restype = cint
+        self.max_rows = lib.specray_quant_max_rows()
+        self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
+
+    def _read_layout(self, ggml_type: int) -> tuple[int, int] | None:
+        size, nbytes = ctypes.c_int(), ctypes.c_int()
+        if self._format(ggml_type, ctypes.byref(size), ctypes.byref(nbytes)):
+            return None
+        return size.value, nbytes.value
+
+    def block_layout(self, ggml_type: int) -> tuple[int, int] | None:
+        """(weights per block, bytes per block) of a type the kernel takes, None for one it does not."""
+        return self._layouts.get(int(ggml_type))
+
+    def has_kernel(self, ggml_type: int) -> bool:
+        return self.block_layout(ggml_type) is not None
+
+    def gemv(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+             bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)``, W of ``shape`` (out_features, in_features) held as ``blocks``.
+        ``threads`` None: small_gemm's rule (one thread for one row below 1.5 MiB of float32 weight, else
+        torch's); a number is capped at torch's."""
+        n, k = shape
+        self._check(x, blocks, ggml_type, n, k, bias)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        rc = self._gemv(int(ggml_type), x.data_ptr(), blocks.data_ptr(), bias.data_ptr() if bias is not None else None,
+                        y.data_ptr(), x.shape[0], n, k, 0 if threads is None else max(int(threads), 1))
+        if rc:  # _check rules these out; a non-zero code here is a mismatch with the C table
+            raise RuntimeError(f"specray_quant_gemv returned {rc} for {_type_name(ggml_type)} {shape}")
+        return y
+
+    def _check(self, x, blocks, ggml_type, n, k, bias) -> None:
+        layout = self.block_layout(ggml_type)
+        if layout is None:
+            raise ValueError(f"no quantized CPU kernel for {_type_name(ggml_type)}")
+        size, nbytes = layout
+        if n < 1 or k < 1 or k % size:
+            raise ValueError(f"{_type_name(ggml_type)} weight shape {(n, k)}: in_features must be a positive "
+                             f"multiple of the block size {size}")
+        expected = n * (k // size) * nbytes
+        if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+            raise ValueError(f"blocks must be a contiguous uint8 CPU tensor, not {blocks.dtype} on {blocks.device}")
+        if blocks.numel() != expected:
+            raise ValueError(f"{_type_name(ggml_type)} weight {(n, k)} takes {expected} bytes of blocks, "
+                             f"not {blocks.numel()}")
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be a float32 CPU tensor [rows, {k}], not {x.dtype} {tuple(x.shape)}")
+        if not 1 <= x.shape[0] <= self.max_rows:
+            raise ValueError(f"the quantized GEMV takes 1..{self.max_rows} rows of x, not {x.shape[0]}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 [{n}], not {bias.dtype} {tuple(bias.shape)}")

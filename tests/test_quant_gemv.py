@@ -1,0 +1,146 @@
+"""The GGUF block-quantized GEMV (``csrc/quant_gemv.c``) against ``small_gemm`` on the weight
+``gguf.quants.dequantize`` gives: bitwise equal, the contract (no tolerance: every
+dequantization is exact in float32 but for one rounding the kernel repeats, and the kernel sums
+in small_gemm's order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+from kernel_build import built_kernels
+
+# bytes of one block of 32 weights, and where its fp16 scales sit (d first; m second where there is one)
+LAYOUTS = {QType.Q8_0: (34, 1), QType.Q4_0: (18, 1), QType.Q4_1: (20, 2), QType.Q5_0: (22, 1),
+           QType.Q5_1: (24, 2)}
+ROWS = [*range(1, 10), 16, 32]
+# (d, m) as fp16 bits for the first block of rows 1..: d = +0 and -0, the smallest and the largest
+# (negative) subnormal d, negative and subnormal m
+EDGE_SCALES = [(0x0000, 0x3C00), (0x8000, 0xBC00), (0x0001, 0x8001), (0x83FF, 0xC500), (0x3555, 0x03FF)]
+K_BLOCKS = [1, 3, 18, 48]  # K = 32, 96, 576 (SmolLM2's hidden size), 1536 (its MLP width)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Skipped only without a C compiler; a failed build with one fails every test that uses it."""
+    return built_kernels()
+
+
+def random_halves(gen: np.random.Generator, count: int) -> np.ndarray:
+    """fp16 scales as bits: both signs, normal exponents up to 2^5, about a fifth subnormal and a
+    tenth zero (+0 and -0): the edge cases of d and m. No inf or nan (the product would be nan)."""
+    sign = gen.integers(0, 2, count, dtype=np.uint16) << 15
+    exponent = gen.integers(1, 21, count, dtype=np.uint16)
+    kind = gen.random(count)
+    exponent[kind < 0.3] = 0  # subnormal (or zero with mantissa 0 below)
+    mantissa = gen.integers(0, 1024, count, dtype=np.uint16)
+    mantissa[kind < 0.1] = 0  # zero
+    return sign | exponent << 10 | mantissa
+
+
+def random_blocks(ggml_type: QType, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw GGUF blocks of an [n, k] weight: random scales (random_halves) and random quants, the
+    first block of every row holding every nibble (and every int8 value 0..31 and -128..-97 for Q8_0)."""
+    gen = np.random.default_rng(seed)
+    block_bytes, num_halves = LAYOUTS[ggml_type]
+    blocks = gen.integers(0, 256, (n, k // 32, block_bytes), dtype=np.uint8)
+    blocks[..., : 2 * num_halves] = random_halves(gen, n * (k // 32) * num_halves).view(np.uint8).reshape(
+        n, k // 32, 2 * num_halves)
+    quants_at = block_bytes - (32 if ggml_type == QType.Q8_0 else 16)
+    every = np.arange(32, dtype=np.uint8) if ggml_type == QType.Q8_0 else np.arange(16, dtype=np.uint8) * 17
+    blocks[:, 0, quants_at:] = every  # nibbles: low and high both 0..15
+    if ggml_type == QType.Q8_0:
+        blocks[:, 0, quants_at:] ^= np.uint8(0x80) * (np.arange(32) % 2).astype(np.uint8)  # and -128..-97
+    scales = blocks[:, 0, : 2 * num_halves].view(np.uint16)  # [n, num_halves]: the first block's d (and m)
+    for row, (d, m) in enumerate(EDGE_SCALES[: n - 1], start=1):  # besides the random ones, in every weight
+        scales[row, 0] = d
+        if num_halves == 2:
+            scales[row, 1] = m
+    return blocks.reshape(n, -1)
+
+
+def reference(kernels, x: torch.Tensor, blocks: np.ndarray, ggml_type: QType, bias=None) -> torch.Tensor:
+    weight = torch.from_numpy(quants.dequantize(blocks, ggml_type).astype(np.float32, copy=False))
+    assert torch.isfinite(weight).all()  # the test's blocks carry no inf or nan scales
+    return kernels.small_gemm(x, weight.contiguous(), bias)
+
+
+@pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)
+@pytest.mark.parametrize("k_blocks", K_BLOCKS)
+def test_quant_gemv_is_small_gemm_on_the_dequantized_weight(ggml_type, k_blocks, kernels):
+    n, k = 37, 32 * k_blocks  # odd N: the static split over threads leaves one thread an extra row
+    blocks = random_blocks(ggml_type, n, k, seed=k_blocks * 10 + int(ggml_type))
+    gen = torch.Generator().manual_seed(k_blocks)
+    x_all = torch.randn(max(ROWS), k, generator=gen)
+    w = torch.from_numpy(blocks)
+    for rows in ROWS:
+        x = x_all[:rows]
+        expected = reference(kernels, x, blocks, ggml_type)
+        for threads in (1, 2):
+            got = kernels.quant.gemv(x, w, ggml_type, (n, k), threads=threads)
+            assert torch.equal(got, expected), (ggml_type.name, rows, k, threads)
+        assert torch.equal(kernels.quant.gemv(x, w, ggml_type, (n, k)), expected), (ggml_type.name, rows, "default")
+
+
+@pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)
+def test_bias_and_a_larger_shape(ggml_type, kernels):
+    n, k = 1537, 576  # more than 1.5 MiB of float32 weight: small_gemm's plans take both threads
+    blocks = random_blocks(ggml_type, n, k, seed=int(ggml_type))
+    gen = torch.Generator().manual_seed(int(ggml_type))
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, k, generator=gen)
+        got = kernels.quant.gemv(x, torch.from_numpy(blocks), ggml_type, (n, k), bias=bias, threads=2)
+        assert torch.equal(got, reference(kernels, x, blocks, ggml_type, bias)), (ggml_type.name, rows)
+
+
+def test_the_edge_cases_are_in_the_blocks():
+    # the blocks the bit-equality tests run on really hold what they claim to cover
+    for ggml_type, (_, num_halves) in LAYOUTS.items():
+        blocks = random_blocks(ggml_type, 37, 576, seed=1)
+        weight = quants.dequantize(blocks, ggml_type)
+        first = weight[:, :32]
+        if num_halves == 1:
+            assert (first[1] == 0).all() and (first[2] == 0).all()  # d = +0, -0
+        else:
+            assert set(first[1]) == {1.0} and set(first[2]) == {-1.0}  # d = 0: the block is m
+            assert (first[4] < 0).any()  # a negative m
+        if num_halves == 1:  # row 3: d * q with d the largest negative subnormal
+            assert 0 < np.abs(first[3]).max() < 2.0 ** -14 * 128
+        else:  # row 5: m subnormal, so the weights with q = 0 are
+            assert 0 < np.abs(first[5]).min() < 2.0 ** -14
+        scales = blocks.reshape(37, 18, -1)[:, :, :2].copy().view(np.float16).astype(np.float32)
+        assert ((np.abs(scales) > 0) & (np.abs(scales) < 2.0 ** -14)).any()  # random subnormal scales too
+        assert (scales < 0).any() and (scales == 0).any()
+        quants_at = blocks.shape[1] // 18 - (32 if ggml_type == QType.Q8_0 else 16)
+        nibbles = blocks[0, quants_at:quants_at + 16]
+        if ggml_type != QType.Q8_0:
+            assert set(nibbles & 15) == set(nibbles >> 4) == set(range(16))  # every nibble value
+
+
+def test_the_format_table(kernels):
+    assert kernels.quant.block_layout(QType.Q4_1) == (32, 20)
+    assert kernels.quant.block_layout(QType.Q8_0) == (32, 34)
+    for ggml_type, (block_bytes, _) in LAYOUTS.items():  # the C table agrees with gguf's
+        assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type] == (32, block_bytes)
+    assert not kernels.quant.has_kernel(QType.Q4_K)
+
+
+def test_bad_input_names_the_rule(kernels):
+    q = kernels.quant
+    blocks = torch.from_numpy(random_blocks(QType.Q4_1, 4, 64, seed=0))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="no quantized CPU kernel for Q4_K"):
+        q.gemv(x, blocks, QType.Q4_K, (4, 64))
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        q.gemv(torch.randn(1, 48), blocks, QType.Q4_1, (4, 48))
+    with pytest.raises(ValueError, match="takes 160 bytes of blocks, not 80"):
+        q.gemv(x, blocks[:2], QType.Q4_1, (4, 64))
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[rows, 64\]"):
+        q.gemv(torch.randn(1, 32), blocks, QType.Q4_1, (4, 64))
+    with pytest.raises(ValueError, match="1..32 rows of x, not 33"):
+        q.gemv(torch.randn(33, 64), blocks, QType.Q4_1, (4, 64))
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        q.gemv(x, blocks.float(), QType.Q4_1, (4, 64))
