@@ -66,6 +66,23 @@ class SpecRunner:
             self.consumed.setdefault(sid, 0)
             self.features.setdefault(sid, None)
 
+    def runs_plain(self, plan: StepPlan) -> bool:
+        """Whether a step runs as a plain step: no row drafts (adaptive length 0 for every
+        decoding row, or only prefill rows) and the drafter needs nothing of the target's
+        forward. ngram keeps no state; a draft model catches up on the tokens it missed (its
+        ``consumed`` stays put) at its next draft. Drafters conditioned on the target's
+        features (eagle3, mtp, dflash, dspark) keep the speculative path: it captures the
+        features their catch-up needs, and they cannot be recomputed later."""
+        return not any(plan.num_drafts) and not self.drafter.feature_layers
+
+    def observe_plain(self, plan: StepPlan, tokens: list) -> None:
+        """Mirror a plain step's effect on the drafter's state: new tokens, and nothing consumed."""
+        self._apply_deltas(plan)
+        self.num_drafts = [0] * len(plan.seq_ids)
+        for sid, new in zip(plan.seq_ids, tokens):
+            if new is not None:
+                self.tokens[sid].append(new)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """New tokens per scheduled sequence: accepted drafts plus the bonus token."""
@@ -109,15 +126,25 @@ class SpecRunner:
 
     def _draft(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Drafts (and, for sampled requests, the draft distributions) by plan row; a row whose
-        drafter proposed nothing is absent. ``plan.num_drafts`` is each row's most (k)."""
-        rows = [i for i, n in enumerate(plan.num_drafts) if n]
-        if not rows:
-            return {}, {}
+        drafter proposed nothing is absent. ``plan.num_drafts`` is each row's most: k, or with
+        adaptive speculation its chosen length; rows of one length draft together (the drafter
+        writes its KV below L + length, the pages the scheduler granted)."""
+        drafts: dict[int, list[int]] = {}
+        probs: dict[int, torch.Tensor] = {}
+        for length in sorted(set(plan.num_drafts) - {0}):
+            rows = [i for i, n in enumerate(plan.num_drafts) if n == length]
+            group_drafts, group_probs = self._draft_rows(plan, rows, length)
+            drafts.update(group_drafts)
+            probs.update(group_probs)
+        return drafts, probs
+
+    def _draft_rows(self, plan: StepPlan, rows: list[int], k: int) -> tuple[dict[int, list[int]],
+                                                                            dict[int, torch.Tensor]]:
         w = self.worker
         sids = [plan.seq_ids[i] for i in rows]
         pools, block_size, tables = self._draft_kv()
         seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables.get(s, [])) for s in sids]
-        batch = DraftBatch(seqs, self.k, pools, block_size, w.ctx.device)
+        batch = DraftBatch(seqs, k, pools, block_size, w.ctx.device)
         probs: dict[int, list[torch.Tensor]] = {}
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
@@ -134,9 +161,9 @@ class SpecRunner:
         proposed = proposed.tolist() if isinstance(proposed, torch.Tensor) else proposed
         for sid, seq in zip(sids, seqs):
             length = len(seq.tokens)
-            self.consumed[sid] = length + self.k - 1 if self.drafter.reuses_draft_kv else length - 1
+            self.consumed[sid] = length + k - 1 if self.drafter.reuses_draft_kv else length - 1
             self.features[sid] = None
-        drafts = {row: list(d[:self.k]) for row, d in zip(rows, proposed) if len(d)}
+        drafts = {row: list(d[:k]) for row, d in zip(rows, proposed) if len(d)}
         # a drafter that stopped a row early (dspark's confidence) chose more than it proposed
         return drafts, {i: torch.stack(p)[:len(drafts[i])] for i, p in probs.items() if i in drafts}
 

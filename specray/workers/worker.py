@@ -201,10 +201,18 @@ class RankWorker:
     def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
         self._apply_deltas(plan)
         self.step_logprobs, self.step_prompt_logprobs = None, {}
-        if self.spec is not None:
+        if self.spec is not None and not self.spec.runs_plain(plan):
             return self.spec.execute(plan)
         if not plan.seq_ids:
+            if self.spec is not None:
+                self.spec.observe_plain(plan, [])
             return []
+        tokens = self._plain_step(plan)
+        if self.spec is not None:  # no row drafted: the drafter's mirror still follows (spec_step.py)
+            self.spec.observe_plain(plan, tokens)
+        return tokens
+
+    def _plain_step(self, plan: StepPlan) -> list[int]:
         tables = [self.block_tables[sid] for sid in plan.seq_ids]
         query_lens = [len(ids) for ids in plan.input_ids]
         positions, meta = build_metadata(tables, self.geometry["target"].tokens_per_block, plan.start_positions,
