@@ -184,6 +184,35 @@ def test_dflash_drafts_equal_zlab_reference(target, tmp_path):
         torch.testing.assert_close(logits, ref_logits, **TOL)
 
 
+
+@pytest.mark.parametrize("method, k", [("dflash", 3), ("dflash", 7), ("dspark", 3)])
+def test_last_layer_on_the_drafted_slots_only_equals_the_whole_block(target, tmp_path, monkeypatch, method, k):
+    """block_outputs runs the last layer's queries, o_proj and MLP on the drafted slots only (issue 29): the drafts
+    and their logits equal the whole block's, sliced afterwards, to the bit (every op after the attention is row
+    by row). A mutation check: keeping the wrong slots changes the drafts."""
+    from specray.models.drafters.dflash import DFlashDrafter
+
+    target_dir, model, hf = target
+    write = write_dflash if method == "dflash" else write_dspark
+    drafter = load(method, write(tmp_path / "d", target_dir, block_size=8), model, k=k)
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    kept = propose(drafter, tokens, features, k, empty_pools(drafter, 2))
+    whole_block = DFlashDrafter.block_outputs
+
+    def sliced_after(is_shifted):
+        def block_outputs(self, batch, keep=slice(None)):
+            shift = (-1 if keep.start else 1) if is_shifted else 0  # a neighbouring window of slots
+            return whole_block(self, batch)[:, keep.start + shift:keep.stop + shift]
+        return block_outputs
+    monkeypatch.setattr(DFlashDrafter, "block_outputs", sliced_after(False))
+    whole = propose(drafter, tokens, features, k, empty_pools(drafter, 2))
+    assert kept[0] == whole[0]
+    assert torch.equal(kept[1], whole[1])
+    monkeypatch.setattr(DFlashDrafter, "block_outputs", sliced_after(True))
+    assert not torch.equal(propose(drafter, tokens, features, k, empty_pools(drafter, 2))[1], kept[1])
+
+
 # --------------------------------------------------------------------------- DSpark
 
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -252,20 +252,23 @@ class RayEngine:
     def close(self) -> None:
         import ray
 
-        if self._closed:  # a failure tore the job down (in the reader): disconnect here
-            self._teardown()
-            return
-        self._closing = True
-        if self._loops:
-            try:
-                self._actors[0].stop.remote()
-                ray.wait(self._loops, num_returns=len(self._loops), timeout=self.timeout_s)
-            except Exception:
-                pass
-        self._teardown()
+        failed = self._closed  # a failure tore the job down (in the reader): only disconnect here
+        if not failed:
+            self._closing = True
+            if self._loops:
+                try:
+                    self._actors[0].stop.remote()
+                    ray.wait(self._loops, num_returns=len(self._loops), timeout=self.timeout_s)
+                except Exception:
+                    pass
+        self._teardown(disconnect=False)
+        # the sender and reader may be inside a Ray call: a call that outlives ray.shutdown (here or
+        # the user's own, right after close) makes Ray end the whole process with status 1
         for thread in getattr(self, "_threads", []):
-            thread.join(self.failure_timeout_s)
-        if hasattr(self, "client"):
+            if thread is not threading.current_thread():
+                thread.join(self.failure_timeout_s)
+        self._teardown()
+        if hasattr(self, "client") and not failed:
             self.client.fail(EngineClosed("this LLM is closed"))
 
     def _teardown(self, disconnect: bool = True) -> None:

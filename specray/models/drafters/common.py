@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specray.models.layers import linear
+
 FINAL_HIDDEN = -1  # in ``feature_layers``: the target's output after its final norm
 
 Choose = Callable[[torch.Tensor, int], torch.Tensor]
@@ -65,7 +67,7 @@ class ReplicatedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
+        return linear(x, self.weight, None)  # the CPU kernels' GEMV plans where they apply, as every layer
 
     def load(self, reader, name: str) -> None:
         self.weight.copy_(reader.read(name))

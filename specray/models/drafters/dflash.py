@@ -41,15 +41,16 @@ from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
                             tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
                             scale: float) -> torch.Tensor:
-    """q: [S * n, heads, dim]; k, v: the block's own [S * n, kv_heads, dim]. Every query sees
-    its sequence's first ``context_lens[s]`` pool positions and all n block keys (no causal
-    mask). The pool is read as block-decode reads it, in 64-token tiles of whole pages, so it
-    shares that kernel's capability (BLOCK_DECODE_PAGE_SIZES)."""
+    """q: [S * m, heads, dim], the m block slots whose outputs are wanted; k, v: the whole block's
+    own [S * n, kv_heads, dim]. Every query sees its sequence's first ``context_lens[s]`` pool
+    positions and all n block keys (no causal mask). The pool is read as block-decode reads it,
+    in 64-token tiles of whole pages, so it shares that kernel's capability (BLOCK_DECODE_PAGE_SIZES)."""
     block_size, num_seqs = pool.shape[3], tables.shape[0]
     if block_size not in BLOCK_DECODE_PAGE_SIZES:
         raise ValueError(f"DFlash attention takes pages of {sorted(BLOCK_DECODE_PAGE_SIZES)} tokens, "
                          f"not {block_size}")
-    kv_heads, dim, heads, n = pool.shape[2], pool.shape[4], q.shape[1], q.shape[0] // num_seqs
+    kv_heads, dim, heads = pool.shape[2], pool.shape[4], q.shape[1]
+    n, m = k.shape[0] // num_seqs, q.shape[0] // num_seqs
     wanted = -(-max_context // TILE_TOKENS) * (TILE_TOKENS // block_size)
     tables = tables[:, :wanted]
     if tables.shape[1] < wanted:  # the last tile may reach past every table: pad, then mask
@@ -61,11 +62,11 @@ def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     slots = torch.arange(wanted * block_size, device=q.device)
     visible = torch.cat([slots[None] < context_lens[:, None],
                          torch.ones(num_seqs, n, dtype=torch.bool, device=q.device)], dim=1)
-    qg = q.view(num_seqs, n, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4).float()
+    qg = q.view(num_seqs, m, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4).float()
     scores = torch.einsum("skgnd,sktd->skgnt", qg, keys) * scale
     scores.masked_fill_(~visible[:, None, None, None], float("-inf"))
     o = torch.einsum("skgnt,sktd->skgnd", scores.softmax(-1), values)
-    return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * n, heads, dim).to(q.dtype)
+    return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * m, heads, dim).to(q.dtype)
 
 
 def expected_tensors(fmt: DFlashFormat) -> dict[str, tuple[int, ...]]:
@@ -116,13 +117,21 @@ class DFlashDrafter(nn.Module):
         write_kv(pool, apply_rope(k, cos, sin), v.view(-1, attn.num_local_kv_heads, attn.head_dim), slots)
 
     @staticmethod
-    def _layer(layer: DecoderLayer, x: torch.Tensor, cos, sin, pool, tables, context_lens, max_context):
-        """One Qwen3 layer on the query block; its K/V stay in the step."""
+    def _layer(layer: DecoderLayer, x: torch.Tensor, cos, sin, pool, tables, context_lens, max_context,
+               keep: slice | None = None):
+        """One Qwen3 layer on the query block; its K/V stay in the step. ``keep``: the block slots
+        whose outputs are wanted (the last layer's): every slot's K/V is still computed, but the
+        queries, o_proj and MLP run on the kept rows only, as each of those is row by row."""
         attn = layer.self_attn
         heads, kv_heads, dim = attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim
         qkv = attn.qkv(layer.input_layernorm(x)).view(-1, heads + 2 * kv_heads, dim)
-        q = apply_rope(attn.q_norm(qkv[:, :heads]), cos, sin)
         k = apply_rope(attn.k_norm(qkv[:, heads:heads + kv_heads]), cos, sin)
+        q = qkv[:, :heads]
+        if keep is not None:
+            num_seqs = tables.shape[0]
+            rows = torch.arange(x.shape[0], device=x.device).view(num_seqs, -1)[:, keep].reshape(-1)
+            q, x, cos, sin = q[rows], x[rows], cos[rows], sin[rows]
+        q = apply_rope(attn.q_norm(q), cos, sin)
         o = context_block_attention(q, k, qkv[:, heads + kv_heads:], pool, tables, context_lens, max_context,
                                     attn.scale)
         x = x + attn.o_proj(o.reshape(o.shape[0], -1))
@@ -136,8 +145,9 @@ class DFlashDrafter(nn.Module):
         cap = self.fmt.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def block_outputs(self, batch: DraftBatch) -> torch.Tensor:
-        """Writes the new context's K/V; returns the query block's normed outputs [S, block_size, H]."""
+    def block_outputs(self, batch: DraftBatch, keep: slice = slice(None)) -> torch.Tensor:
+        """Writes the new context's K/V; returns the query block's normed outputs at the slots
+        ``keep`` selects [S, slots kept, H] (the last layer computes no other slot's output)."""
         seqs, n, dev = batch.seqs, self.block_size, batch.device
         tables = [s.block_table for s in seqs]
         ctx_starts = [s.num_consumed for s in seqs]
@@ -154,13 +164,15 @@ class DFlashDrafter(nn.Module):
         if self.fmt.input_embedding_scale != 1.0:
             x = x * self.fmt.input_embedding_scale
         context_lens = torch.tensor(starts, device=dev)  # positions [0, L - 1) are context
-        for layer, pool in zip(self.layers, batch.pools):
+        last = len(self.layers) - 1
+        for i, (layer, pool) in enumerate(zip(self.layers, batch.pools)):
             self._write_context(layer, context, ctx_cos, ctx_sin, pool, ctx_meta.slot_mapping)
-            x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts))
-        return self.norm(x).view(len(seqs), n, -1)
+            x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts),
+                            keep if i == last else None)
+        return self.norm(x).view(len(seqs), -1, x.shape[-1])
 
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
         k, num_seqs = batch.k, len(batch.seqs)
-        masks = self.block_outputs(batch)[:, 1:k + 1]  # row 0 (t_{L-1}) drafts nothing
+        masks = self.block_outputs(batch, slice(1, k + 1))  # slot 0 (t_{L-1}) drafts nothing
         logits = self.logits(masks.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
         return torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)

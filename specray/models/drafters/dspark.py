@@ -16,7 +16,8 @@ Per step, on the block's normed outputs o_s (slot s at position L-1+s):
   drafts 0..j are all accepted (speculators trains c_j on the acceptance rate 1 - d_TV of
   each position), so drafting stops where a further draft is predicted not to be reached.
   Sequences stop independently (per-sequence draft lengths; zero makes a plain decode row);
-  once every sequence has stopped, no further draft is computed.
+  once every sequence has stopped, no further draft is chosen (the head is read once for all
+  k positions up front: one read costs what one position's would at small batch).
 
 Without a draft vocabulary (draft_vocab_size = the target's) the head is the target's.
 
@@ -111,19 +112,22 @@ class DSparkDrafter(DFlashDrafter):
 
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor | list[list[int]]:
         first = 0 if self.fmt.sample_from_anchor else 1
-        normed = self.block_outputs(batch)[:, first:first + batch.k]  # [S, k, H]
+        normed = self.block_outputs(batch, slice(first, first + batch.k))  # [S, k, H]
         prev = torch.tensor([s.tokens[-1] for s in batch.seqs], device=batch.device)
         threshold = self.confidence_threshold
         reach = torch.ones(len(batch.seqs), device=batch.device)  # predicted P(every draft so far accepted)
         lengths = torch.full((len(batch.seqs),), batch.k, device=batch.device)
+        num_seqs, k = normed.shape[0], batch.k
+        # one read of the head for every position (each row's logits do not depend on the others)
+        head = self.draft_logits(normed.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
         drafts = []
         for j in range(batch.k):
             if threshold is not None:
                 reach = reach * self.confidence(prev, normed[:, j])
                 lengths = torch.where((reach < threshold) & (lengths == batch.k), j, lengths)
                 if bool((lengths <= j).all()):
-                    break  # every sequence has stopped: draft j and later are not computed
-            logits = self.draft_logits(normed[:, j])
+                    break  # every sequence has stopped: draft j and later are not chosen
+            logits = head[:, j]
             if self.markov_w1 is not None:
                 logits = logits + self.markov_bias(prev, normed[:, j])
             prev = choose(to_target_vocab(logits, self.target_ids, self.fmt.arch.vocab_size), j)
