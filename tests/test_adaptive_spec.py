@@ -169,7 +169,7 @@ def test_the_target_as_its_own_draft_model_accepts_right_after_resuming(ckpt, tm
 
 def stale_while_paused(monkeypatch):
     """Mutation: a plain step tells the drafter it is current (its cache holds every position
-    before the fed token) without writing its KV or keeping the target's features: the bug of
+    it does not draft from) without writing its KV or keeping the target's features: the bug of
     TensorRT-LLM #16888, a drafter left stale by a step that skipped drafting."""
     keep = SpecRunner.observe_plain
 
@@ -177,12 +177,17 @@ def stale_while_paused(monkeypatch):
         keep(self, plan, tokens, *args, **kwargs)
         for sid in plan.seq_ids:
             if sid in self.tokens and sid not in plan.partial:
-                self.consumed[sid], self.features[sid] = len(self.tokens[sid]) - 1, None
+                # the drafter's cache "holds" every position but the last one it needs to draft:
+                # the fed token (a draft model), or the newest feature (eagle3 and the rest)
+                kept = self.features[sid]
+                num_left = 0 if kept is None else 1
+                self.consumed[sid] = len(self.tokens[sid]) - 1 - num_left
+                self.features[sid] = None if kept is None else kept[-1:]
 
     monkeypatch.setattr(SpecRunner, "observe_plain", observe_stale)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "dflash"])
 def test_mutation_a_drafter_left_stale_while_paused_fails_the_comparison(ckpt, method, tmp_path, monkeypatch):
     stale_while_paused(monkeypatch)
     after, ref_at = pause_and_resume(ckpt, method, tmp_path, monkeypatch)

@@ -46,6 +46,7 @@ class SpecRunner:
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
         self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
+        self._plain_features: torch.Tensor | None = None  # the last plain step's features (target_forward)
         log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
         self._draft_log = Path(log_dir) / f"rank{worker.ctx.rank}.drafts" if log_dir else None
 
@@ -68,18 +69,29 @@ class SpecRunner:
 
     def runs_plain(self, plan: StepPlan) -> bool:
         """Whether a step runs as a plain step: no row drafts (adaptive length 0 for every
-        decoding row, or only prefill rows) and the drafter needs nothing of the target's
-        forward. ngram keeps no state; a draft model catches up on the tokens it missed (its
-        ``consumed`` stays put) at its next draft. Drafters conditioned on the target's
-        features (eagle3, mtp, dflash, dspark) keep the speculative path: it captures the
-        features their catch-up needs, and they cannot be recomputed later."""
-        return not any(plan.num_drafts) and not self.drafter.feature_layers
+        decoding row, or only prefill rows). The drafter stays current all the same: the
+        worker's plain forward keeps the target features a feature-conditioned drafter (eagle3,
+        mtp, dflash, dspark) needs (``target_forward``), ``observe_plain`` appends them with the
+        new tokens, and the drafter's cache catches up on every position it has not consumed at
+        its next draft, as it does after a prefill (a draft model from the tokens alone)."""
+        return not any(plan.num_drafts)
+
+    def target_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The target's forward of a plain step (the worker's), capturing the drafter's feature
+        layers of every fed row for ``observe_plain``; returns the final hidden states."""
+        hidden, self._plain_features = self._forward(ids, positions, meta)
+        return hidden
 
     def observe_plain(self, plan: StepPlan, tokens: list) -> None:
-        """Mirror a plain step's effect on the drafter's state: new tokens, and nothing consumed."""
+        """Mirror a plain step's effect on the drafter's state: the new tokens and the target
+        features of the fed positions (as ``_keep`` after a verify of no drafts); nothing consumed."""
         self._apply_deltas(plan)
         self.num_drafts = [0] * len(plan.seq_ids)
-        for sid, new in zip(plan.seq_ids, tokens):
+        features, self._plain_features = self._plain_features, None
+        first = 0
+        for i, (sid, new) in enumerate(zip(plan.seq_ids, tokens)):
+            self._keep(i, sid, plan, 0, features, first)
+            first += len(plan.input_ids[i])
             if new is not None:
                 self.tokens[sid].append(new)
 
@@ -177,22 +189,25 @@ class SpecRunner:
         positions, meta = build_metadata(tables, w.geometry["target"].tokens_per_block, plan.start_positions,
                                          lens, dev)
         ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64, device=dev)
-        layers = self.drafter.feature_layers
-        capture = tuple(i for i in layers if i != FINAL_HIDDEN)
-        hidden = w.model(ids, positions, w.pools, meta, capture_layers=capture)
-        features = None
-        if capture:
-            hidden, captured = hidden
+        hidden, features = self._forward(ids, positions, meta)
         w.step_prompt_logprobs = compute_prompt_logprobs(
             w.model, hidden, plan, lens, {sid: w.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
-        if capture:
-            by_layer = dict(zip(capture, captured))
-            features = torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
-        elif layers:
-            features = hidden
         ends = torch.tensor(lens).cumsum(0).tolist()
         scored = [r for end, n in zip(ends, num_drafts) for r in range(end - n - 1, end)]
         return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's final hidden states at every row, and the drafter's features there
+        (its ``feature_layers`` concatenated; None for a drafter that needs none)."""
+        w = self.worker
+        layers = self.drafter.feature_layers
+        capture = tuple(i for i in layers if i != FINAL_HIDDEN)
+        if not capture:
+            hidden = w.model(ids, positions, w.pools, meta)
+            return hidden, hidden if layers else None
+        hidden, captured = w.model(ids, positions, w.pools, meta, capture_layers=capture)
+        by_layer = dict(zip(capture, captured))
+        return hidden, torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
 
     def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
         grammars = self.worker.grammars

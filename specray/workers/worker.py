@@ -218,7 +218,10 @@ class RankWorker:
         positions, meta = build_metadata(tables, self.geometry["target"].tokens_per_block, plan.start_positions,
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
-        hidden = self.model(ids, positions, self.pools, meta)
+        if self.spec is None:
+            hidden = self.model(ids, positions, self.pools, meta)
+        else:  # a step with no drafts: the drafter keeps the features it needs of it (spec_step.py)
+            hidden = self.spec.target_forward(ids, positions, meta)
         self.step_prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, plan, query_lens, {sid: self.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather
