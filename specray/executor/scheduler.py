@@ -255,7 +255,7 @@ class Scheduler(PrefixHits):
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             hit, hit_pages, keys = self._find_hit(seq)
-            need = self._pages_for(seq, self.lookahead_tokens)
+            need = self._pages_for(seq, self._lookahead(seq))  # adaptive: a prefill row drafts nothing
             need = (need[0] - len(hit_pages[0]), need[1] - (len(hit_pages[1]) if len(hit_pages) > 1 else 0))
             revive = [pool.allocator.num_to_revive(p) for pool, p in zip(self.prefix_pools, hit_pages)] + [0, 0]
             if not self._fits((need[0] + revive[0], need[1] + revive[1])):
