@@ -223,3 +223,30 @@ def test_a_step_at_length_zero_runs_no_speculative_machinery(ckpt, method, monke
         assert tokens == [o.token_ids for o in llm.generate(prompts, params)]
     assert all(calls), "a step without drafts went through the speculative runner"
     assert sum(1 for c in forced.choices if c and not any(c.values())) >= 10
+
+
+def test_stats_metrics_and_bench_report_the_chosen_lengths(ckpt, tmp_path):
+    """The controller's own choices, counted the same in ``LLM.stats()``, ``/metrics`` and
+    ``specray bench`` (its JSON rows and table)."""
+    from specray import cli
+    from specray.serve.metrics import ServerMetrics
+
+    with LLM(config(ckpt, "ngram")) as llm:
+        outs = llm.generate(PROMPTS[:4], PARAMS)
+        stats = llm.stats().adaptive
+        text = ServerMetrics("m", stats=llm.stats).render().decode()
+    hist = stats["draft_length_histogram"]
+    assert len(hist) == 4 and sum(hist) == sum(o.metrics["num_decode_steps"] for o in outs)
+    assert stats["step_cost"]["num_step_timings"] > 0 and stats["num_steps_without_drafting"] >= 0
+    assert f'specray:spec_decode_draft_length_count{{model_name="m"}} {float(sum(hist))}' in text
+    assert (f'specray:spec_decode_num_steps_without_drafting_total{{model_name="m"}} '
+            f'{float(stats["num_steps_without_drafting"])}') in text
+    target, _ = ckpt
+    code = cli.main(["bench", "--model", str(target), "--spec", "ngram", "--adaptive", "--num-draft-tokens", "3",
+                     "--input-len", "8", "--output-len", "8", "--batch-sizes", "1,2", "--warmup", "0",
+                     "--no-progress", "--json", str(tmp_path / "b.json")])
+    assert code == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    # one timed call per row: its decode rows by length; 7 tokens after the prefill's, 1 to 4 a step
+    assert all(2 * r["batch"] <= sum(r["draft_length_histogram"]) <= 7 * r["batch"] for r in rows)
+    assert all(0 <= r["num_steps_without_drafting"] <= 7 for r in rows)
