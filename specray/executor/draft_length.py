@@ -1,6 +1,6 @@
 """Per-request draft lengths that maximise expected goodput (plain Python, no torch).
 
-Building blocks of adaptive speculation (issue 27), not yet wired into the step loop.
+The decision of adaptive speculation (issue 27); executor/adaptive.py wires it into the step loop.
 
 Each request keeps a per-position acceptance estimate p_i: the probability that draft i is
 accepted given that drafts before it were, an exponential moving average of what its verify
