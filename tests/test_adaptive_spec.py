@@ -20,7 +20,7 @@ from collections import defaultdict
 import pytest
 from checkpoints import make_checkpoint
 
-from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.models.drafter_presets import write_drafter_for
 from specray.workers.spec_step import SpecRunner
 
@@ -250,3 +250,17 @@ def test_stats_metrics_and_bench_report_the_chosen_lengths(ckpt, tmp_path):
     # one timed call per row: its decode rows by length; 7 tokens after the prefill's, 1 to 4 a step
     assert all(2 * r["batch"] <= sum(r["draft_length_histogram"]) <= 7 * r["batch"] for r in rows)
     assert all(0 <= r["num_steps_without_drafting"] <= 7 for r in rows)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_two_ranks_follow_rank_zeros_lengths(ckpt, plain, method):
+    """TP 2 (mp launcher, tokens compared on every step): the lengths rank 0 chooses travel in
+    the plan, and both ranks run the same plain or speculative step from it."""
+    cfg = config(ckpt, method)
+    cfg = EngineConfig(model=cfg.model, kv=cfg.kv, spec=cfg.spec,
+                       parallel=ParallelConfig(tp_size=2, launcher="mp", check_every_step=True, timeout_s=60.0))
+    with LLM(cfg) as llm:
+        outs = llm.generate(PROMPTS[:4], PARAMS)
+        stats = llm.stats().adaptive
+    assert [o.token_ids for o in outs] == plain[:4]
+    assert sum(stats["draft_length_histogram"]) > 0
