@@ -179,10 +179,9 @@ def stale_while_paused(monkeypatch):
             if sid in self.tokens and sid not in plan.partial:
                 # the drafter's cache "holds" every position but the last one it needs to draft:
                 # the fed token (a draft model), or the newest feature (eagle3 and the rest)
-                kept = self.features[sid]
-                num_left = 0 if kept is None else 1
-                self.consumed[sid] = len(self.tokens[sid]) - 1 - num_left
-                self.features[sid] = None if kept is None else kept[-1:]
+                kept = self.features[sid]  # the chunks of features since its last draft
+                self.consumed[sid] = len(self.tokens[sid]) - 1 - (1 if kept else 0)
+                self.features[sid] = [kept[-1][-1:]] if kept else []
 
     monkeypatch.setattr(SpecRunner, "observe_plain", observe_stale)
 

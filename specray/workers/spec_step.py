@@ -44,7 +44,9 @@ class SpecRunner:
         self.draft_tables: dict[int, list[int]] = {}  # standalone drafter's pages, mirrored from the plan
         self.tokens: dict[int, list[int]] = {}
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
-        self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
+        # target features of [consumed, verified), in the chunks the steps produced: joined only
+        # when the drafter reads them, so a run of steps without drafts copies each row once
+        self.features: dict[int, list[torch.Tensor]] = {}
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
         self._plain_features: torch.Tensor | None = None  # the last plain step's features (target_forward)
         log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
@@ -55,9 +57,9 @@ class SpecRunner:
             for state in (self.draft_tables, self.tokens, self.consumed, self.features):
                 state.pop(sid, None)
         for sid in plan.preempted:
-            self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, None
+            self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, []
         for sid, prefix in plan.cached_prefix.items():  # a prefix hit: the drafter's KV is cached there too
-            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), None
+            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), []
         for sid, (_, num_draft_blocks) in plan.truncated.items():
             del self.draft_tables.setdefault(sid, [])[num_draft_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
@@ -65,7 +67,7 @@ class SpecRunner:
         for sid, start, ids in zip(plan.seq_ids, plan.start_positions, plan.input_ids):
             self.tokens[sid] = self.tokens.get(sid, [])[:start] + list(ids)
             self.consumed.setdefault(sid, 0)
-            self.features.setdefault(sid, None)
+            self.features.setdefault(sid, [])
 
     def runs_plain(self, plan: StepPlan) -> bool:
         """Whether a step runs as a plain step: no row drafts (adaptive length 0 for every
@@ -155,7 +157,7 @@ class SpecRunner:
         w = self.worker
         sids = [plan.seq_ids[i] for i in rows]
         pools, block_size, tables = self._draft_kv()
-        seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables.get(s, [])) for s in sids]
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, [])) for s in sids]
         batch = DraftBatch(seqs, k, pools, block_size, w.ctx.device)
         probs: dict[int, list[torch.Tensor]] = {}
 
@@ -174,7 +176,7 @@ class SpecRunner:
         for sid, seq in zip(sids, seqs):
             length = len(seq.tokens)
             self.consumed[sid] = length + k - 1 if self.drafter.reuses_draft_kv else length - 1
-            self.features[sid] = None
+            self.features[sid] = []
         drafts = {row: list(d[:k]) for row, d in zip(rows, proposed) if len(d)}
         # a drafter that stopped a row early (dspark's confidence) chose more than it proposed
         return drafts, {i: torch.stack(p)[:len(drafts[i])] for i, p in probs.items() if i in drafts}
@@ -245,6 +247,11 @@ class SpecRunner:
         self.consumed[sid] = min(self.consumed[sid], verified)
         if features is None:
             return
-        fresh = features[first:first + verified - start]
-        old = self.features[sid]
-        self.features[sid] = fresh if old is None else torch.cat([old, fresh])
+        self.features[sid].append(features[first:first + verified - start])
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
+    """A sequence's kept features as one [positions, F] tensor (None: a drafter that keeps none)."""
+    if not chunks:
+        return None
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
