@@ -25,7 +25,7 @@ TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0015, c_prefill
 # a step cost dominated by its fixed part: its share per row falls as rows join, so a decision
 # that counted an arriving prefill row moves the running rows' lengths (2 each -> 1 each here)
 ARRIVAL = StepCost(c_step=0.030, c_decode_row=0.001, c_verify_row=0.001, c_prefill_token=0.0005,
-                   c_draft_row=0.0002, c_draft_forward=0.001)
+                   c_draft_row=0.0002, c_draft_forward=0.004)
 
 
 def make(method="draft_model", budget=1 << 20, margin=0.05, prior=TRUE):
@@ -71,7 +71,7 @@ def lengths_with_an_arrival(arrival_step, steps=24):
     """The lengths of requests 0 and 1 per step (and, per step, whether request 2 was passed
     to the decision); request 2, a 300-token prompt in 64-token chunks, arrives at
     ``arrival_step`` (None: never)."""
-    sched, adaptive = make(budget=64, prior=ARRIVAL)
+    sched, adaptive = make(budget=64, prior=ARRIVAL, margin=0.0)  # no hysteresis to hide a change
     choose, seen = adaptive.choose, []
 
     def spy(decoding):
