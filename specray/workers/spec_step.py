@@ -65,7 +65,9 @@ class SpecRunner:
         for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
             self.draft_tables.setdefault(sid, []).extend(blocks)
         for sid, start, ids in zip(plan.seq_ids, plan.start_positions, plan.input_ids):
-            self.tokens[sid] = self.tokens.get(sid, [])[:start] + list(ids)
+            tokens = self.tokens.setdefault(sid, [])
+            del tokens[start:]  # in place: a copy of the whole sequence every step is O(length)
+            tokens.extend(ids)
             self.consumed.setdefault(sid, 0)
             self.features.setdefault(sid, [])
 
