@@ -57,6 +57,8 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("acceptance_length", "AL", ".2f"),  # speculative decoding only
     ("acceptance_rate", "accepted", ".2f"),
     ("tokens_per_decode_step", "tok/step", ".2f"),  # below AL when steps go without drafts (ngram)
+    ("draft_lengths", "draft lengths (rows per k)", "s"),  # adaptive speculation only
+    ("num_steps_without_drafting", "no-draft steps", "d"),
 ]
 
 
@@ -104,13 +106,27 @@ def measure_batch(llm, prompts: list[list[int]], bench: BenchConfig, params: Sam
         llm.generate(prompts, warm)
         on_call()
     timed = dataclasses.replace(params, max_tokens=bench.output_len, ignore_eos=True)
+    adaptive_before = llm.stats().adaptive
     start, start_cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, timed)
     wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     on_call()
     # CPU time of this process (all its threads): on a shared machine it counts the work
     # done rather than the time spent waiting for a core.
-    return dict(row_from_outputs(len(prompts), outputs, wall_s), cpu_s=cpu_s), outputs
+    row = dict(row_from_outputs(len(prompts), outputs, wall_s), cpu_s=cpu_s)
+    return dict(row, **adaptive_columns(adaptive_before, llm.stats().adaptive)), outputs
+
+
+def adaptive_columns(before: dict, after: dict) -> dict:
+    """Adaptive speculation over one timed call (stats are cumulative: the difference): decode
+    rows per chosen draft length 0..k, and steps in which no row drafted. Empty when off."""
+    if not after:
+        return {}
+    hist = [a - b for a, b in zip(after["draft_length_histogram"],
+                                  before.get("draft_length_histogram", [0] * len(after["draft_length_histogram"])))]
+    return dict(draft_length_histogram=hist, draft_lengths=" ".join(f"{k}:{n}" for k, n in enumerate(hist)),
+                num_steps_without_drafting=after["num_steps_without_drafting"]
+                - before.get("num_steps_without_drafting", 0))
 
 
 def run_sweep(llm, bench: BenchConfig, params: SamplingParams, vocab_size: int, progress: bool = True) -> list[dict]:

@@ -89,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-spec-factor", type=float, default=s.prompt_lookup_spec_factor,
                    help="ngram: draft at most this many tokens per matched token (a 2-gram match at 2.0: up to 4), "
                         "and at most k (default: up to k whatever the match)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=s.adaptive,
+                   help="choose each request's draft length per step, 0 to --num-draft-tokens, from a measured "
+                        "step-cost model and its acceptance (default: off, k every step)")
     g.add_argument("--dspark-confidence-threshold", type=float, default=s.dspark_confidence_threshold,
                    help="dspark: stop a sequence's drafts where the product of its confidence head's "
                         "predictions falls below this (default: off, always k drafts)")
@@ -126,7 +129,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         force_accepted_tokens=args.force_accepted_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         prompt_lookup_spec_factor=args.prompt_lookup_spec_factor,
-                        dspark_confidence_threshold=args.dspark_confidence_threshold),
+                        dspark_confidence_threshold=args.dspark_confidence_threshold,
+                        adaptive=args.adaptive),
     )
 
 

@@ -176,8 +176,16 @@ class SpecConfig:
     rejected: draft j is proposed only while the product of the predicted acceptance
     probabilities of drafts 0..j stays >= this threshold (in (0, 1)). None (the default):
     always k drafts."""
+    adaptive: bool = False
+    """Choose each request's draft length per step, from 0 to ``num_draft_tokens`` (the
+    ceiling), by a step-cost model measured online and the request's own acceptance
+    (docs/speculative.md, "Adaptive draft length"). False (the default until the benchmark
+    grid says otherwise): every decoding request drafts ``num_draft_tokens`` every step."""
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.adaptive, bool), f"adaptive ({self.adaptive!r}) must be True or False")
+        _require(not self.adaptive or self.method is not None,
+                 "adaptive=True chooses a draft length per step and needs a spec method; set method or drop adaptive")
         _require(self.method is None or self.method in SPEC_METHODS,
                  f"spec method {self.method!r} must be one of {SPEC_METHODS} or None")
         _require(self.num_draft_tokens >= 1, f"num_draft_tokens ({self.num_draft_tokens}) must be >= 1")

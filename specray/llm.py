@@ -65,6 +65,11 @@ class LLM:
             params = [params] * len(prompts)
         return engine.generate(prompts, list(params))
 
+    def stats(self):
+        """The engine's last stats snapshot (``EngineStats``: running and waiting requests, KV use,
+        spec counters, and with adaptive speculation its draft lengths and fitted step cost)."""
+        return self._require_open().client.stats
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached page; requests after this call start from an empty cache."""
         self._require_open().client.reset_prefix_cache()

@@ -47,6 +47,7 @@ class Stats:
     accepted_per_position: list = None
     prefix_cache_queries: dict = None
     prefix_cache_hits: dict = None
+    adaptive: dict = None
 
 
 class EchoEngine:
@@ -227,6 +228,26 @@ def test_inter_token_count_is_tokens_minus_one_per_request():
     assert 'specray:request_success_total{finished_reason="stop",model_name="m"} 2.0' in text
     assert 'specray:kv_cache_usage_perc{model_name="m",pool="draft"} 0.5' in text
     assert 'specray:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+
+
+def test_adaptive_speculation_metrics():
+    # decode rows per draft length 0..3 (k = 3): 5 plain rows, 2 at length 1, none at 2, 3 at 3
+    adaptive = dict(draft_length_histogram=[5, 2, 0, 3], num_steps_without_drafting=4, num_draft_length_switches=1)
+    stats = Stats(kv_usage={}, accepted_per_position=[], adaptive=adaptive)
+    text = ServerMetrics("m", stats=lambda: stats).render().decode()
+    for line in ('specray:spec_decode_draft_length_bucket{le="0.0",model_name="m"} 5.0',
+                 'specray:spec_decode_draft_length_bucket{le="1.0",model_name="m"} 7.0',
+                 'specray:spec_decode_draft_length_bucket{le="2.0",model_name="m"} 7.0',
+                 'specray:spec_decode_draft_length_bucket{le="3.0",model_name="m"} 10.0',
+                 'specray:spec_decode_draft_length_bucket{le="+Inf",model_name="m"} 10.0',
+                 'specray:spec_decode_draft_length_count{model_name="m"} 10.0',
+                 'specray:spec_decode_draft_length_sum{model_name="m"} 11.0',
+                 'specray:spec_decode_num_steps_without_drafting_total{model_name="m"} 4.0',
+                 'specray:spec_decode_num_draft_length_switches_total{model_name="m"} 1.0'):
+        assert line in text, line
+    # static speculation (or none): no adaptive metrics at all
+    static = Stats(kv_usage={}, accepted_per_position=[])
+    assert "draft_length" not in ServerMetrics("m", stats=lambda: static).render().decode()
 
 
 def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):

@@ -85,6 +85,19 @@ def test_the_online_fit_tracks_a_change_within_its_window():
     assert second.c_step == pytest.approx(0.02, rel=0.2)
 
 
+def test_a_refit_every_n_steps_is_the_every_step_fit_at_those_steps():
+    rng = random.Random(2)
+    every, sparse = OnlineStepCost(StepCost(), window=16), OnlineStepCost(StepCost(), window=16, refit_every=5)
+    for i in range(1, 41):
+        shape = StepShape(num_decode_rows=rng.randint(1, 8), num_verify_rows=rng.randint(0, 24))
+        a, b = every.record(shape, TRUE.predict(shape)), sparse.record(shape, TRUE.predict(shape))
+        if i % 5 == 0:
+            assert b == a
+        elif i > 5:
+            assert b is previous  # held between refits
+        previous = b
+
+
 def test_stats_and_describe_name_every_coefficient():
     assert list(TRUE.as_dict()) == [f"c_{n}_s" for n in FEATURES]
     assert TRUE.describe().startswith("step cost (ms): step 10")
@@ -98,6 +111,7 @@ def test_stats_and_describe_name_every_coefficient():
     (lambda: fit_step_cost([(StepShape(), -1.0)]), r"step time \(-1.0\) must be a finite number of seconds >= 0"),
     (lambda: fit_step_cost([], prior_weight=1.0), r"prior_weight \(1.0\) must be >= 0, and > 0 only with a prior"),
     (lambda: OnlineStepCost(StepCost(), prior_weight=0), r"prior_weight \(0\) > 0"),
+    (lambda: OnlineStepCost(StepCost(), refit_every=0), r"refit_every \(0\) must be an integer >= 1"),
     (lambda: probe_shapes(max_num_seqs=1, ceiling=4, prefill_tokens=8, per_position=True),
      r"max_num_seqs \(1\) >= 2"),
 ])

@@ -1,6 +1,6 @@
 """Per-request draft lengths that maximise expected goodput (plain Python, no torch).
 
-Building blocks of adaptive speculation (issue 27), not yet wired into the step loop.
+The decision of adaptive speculation (issue 27); executor/adaptive.py wires it into the step loop.
 
 Each request keeps a per-position acceptance estimate p_i: the probability that draft i is
 accepted given that drafts before it were, an exponential moving average of what its verify
@@ -103,11 +103,11 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
             raise ConfigError(f"{len(probs)} acceptance estimates cannot rate lengths up to the ceiling ({ceiling})")
     if not probs_by_row:
         return []
-    gains = [[expected_tokens(p, k) for k in range(ceiling + 1)] for p in probs_by_row]
+    gains = [_expected_by_length(p, ceiling) for p in probs_by_row]
     per_token = cost.c_per_draft_token
     fixed = cost.c_step + cost.c_decode_row * len(gains)
     lengths = [0] * len(gains)
-    rate = goodput(probs_by_row, lengths, cost, method)
+    rate = _rate(gains, lengths, cost, method)
     if math.isinf(rate):  # a plain step modelled free: draft only if drafting is free too
         full = [ceiling] * len(gains)
         return full if decode_seconds(cost, full, method) == 0 else lengths
@@ -125,8 +125,24 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
                 best, best_value = list(pick), value
         if best is None:
             return lengths
-        lengths, rate = best, goodput(probs_by_row, best, cost, method)
+        lengths, rate = best, _rate(gains, best, cost, method)
     return lengths
+
+
+def _expected_by_length(probs, ceiling: int) -> list[float]:
+    # expected_tokens(probs, k) for k = 0..ceiling in one pass (probs already checked: this runs every step)
+    out, alive = [1.0], 1.0
+    for p in probs[:ceiling]:
+        alive *= p
+        out.append(out[-1] + alive)
+    return out
+
+
+def _rate(gains: list[list[float]], lengths: list[int], cost: StepCost, method: str) -> float:
+    # goodput from precomputed expected tokens per length
+    seconds = decode_seconds(cost, lengths, method)
+    tokens = sum(g[k] for g, k in zip(gains, lengths))
+    return tokens / seconds if seconds > 0 else math.inf
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 from specray.config import EngineConfig, SamplingParams
 from specray.errors import GrammarError
 from specray.executor import spec_metrics
+from specray.executor.adaptive import AdaptiveDraftLengths
 from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine_tokenizer
@@ -91,6 +93,10 @@ class EngineCore:
                                    draft_allocator=self.draft_allocator,
                                    draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0,
                                    prefix_pools=self.prefix_pools, drafter_kv=drafter_kv)
+        self.adaptive = None  # adaptive speculation: the draft lengths of each step (executor/adaptive.py)
+        if config.spec.is_enabled and config.spec.adaptive:
+            self.adaptive = AdaptiveDraftLengths(config.spec.method, self.num_draft_tokens)
+            self.scheduler.choose_draft_lengths = self.adaptive.choose
         self.live: dict[str, LiveRequest] = {}
         self._by_seq: dict[int, LiveRequest] = {}
         self._needs_settle = False  # steps ran since the ranks last compared their tokens
@@ -177,9 +183,13 @@ class EngineCore:
         try:
             plan = self.scheduler.schedule()
             self._ask_prompt_logprobs(plan)
+            started = time.perf_counter()
             tokens = self._step(plan)
+            seconds = time.perf_counter() - started
             num_before = [len(self._by_seq[sid].seq.output_ids) for sid in plan.seq_ids]
             self.scheduler.finish_step(tokens, self.worker.num_drafts)
+            if self.adaptive is not None:
+                self.adaptive.observe(plan, self.worker.num_drafts, tokens, seconds)
             self._keep_logprobs(plan, num_before)
         except BaseException:
             self.is_broken = True
@@ -287,7 +297,8 @@ class EngineCore:
         return EngineStats(len(s.running), len(s.waiting), usage, c.num_drafts, c.num_draft_tokens,
                            c.num_accepted_tokens, list(c.accepted_per_position),
                            {p.name: p.num_query_tokens for p in self.prefix_pools},
-                           {p.name: p.num_hit_tokens for p in self.prefix_pools})
+                           {p.name: p.num_hit_tokens for p in self.prefix_pools},
+                           self.adaptive.stats() if self.adaptive is not None else {})
 
     def close(self) -> None:
         if self.channel is not None and not self.is_broken:

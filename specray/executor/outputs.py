@@ -58,6 +58,9 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
     prefix_cache_queries: dict[str, int] = field(default_factory=dict)  # pool -> prompt tokens looked up
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)  # pool -> tokens served from its cache
+    # adaptive speculation (empty when off): draft_length_histogram (decode rows per length 0..k),
+    # num_steps_without_drafting, num_draft_length_switches, step_cost (the fitted model)
+    adaptive: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,12 @@ standalone drafter's pool has its own allocator and page size; a sequence runs o
 both pools have its pages, and preemption and finishing release both.
 
 Prefix caching (``prefix_pools`` given): ``executor/prefix_hits.py``.
+
+Adaptive draft lengths (``choose_draft_lengths`` set, ``executor/adaptive.py``): before any
+page is granted, the running sequences that decode this step (prefill rows excluded, so a
+prefill arriving cannot change them) get a length each in [0, k]; a decoding sequence's
+pages then cover ``len(token_ids) + its length`` and its row counts 1 + its length in the
+budget. Without it every decoding sequence drafts k, as above.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specray.config import SamplingParams
@@ -139,6 +146,26 @@ class Scheduler(PrefixHits):
         self._truncated: dict[int, tuple[int, int]] = {}  # since the last plan: rolled-back table lengths
         self._scheduled: list[tuple[Sequence, int]] = []  # the last plan's rows: (sequence, tokens fed)
         self.spec_counters = SpecCounters(num_draft_tokens)  # cumulative over every request
+        # adaptive speculation: decoding sequences -> their draft lengths this step; None: k each
+        self.choose_draft_lengths: Callable[[list[Sequence]], list[int]] | None = None
+        self.draft_lengths: dict[int, int] = {}  # this step's decoding sequences -> draft length
+
+    def _decide_draft_lengths(self) -> None:
+        decoding = [seq for seq in self.running if not self._is_prefill(seq)]
+        if self.choose_draft_lengths is None or not self.num_draft_tokens:
+            self.draft_lengths = {seq.seq_id: self.num_draft_tokens for seq in decoding}
+            return
+        lengths = self.choose_draft_lengths(decoding)
+        if len(lengths) != len(decoding) or any(not 0 <= k <= self.num_draft_tokens for k in lengths):
+            raise RuntimeError(f"draft lengths {lengths} for {len(decoding)} decoding sequences must each be in "
+                               f"[0, num_draft_tokens = {self.num_draft_tokens}]")
+        self.draft_lengths = {seq.seq_id: k for seq, k in zip(decoding, lengths)}
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Slots past its tokens a running sequence may write this step (its drafts)."""
+        if self.choose_draft_lengths is None:
+            return self.lookahead_tokens
+        return self.draft_lengths.get(seq.seq_id, 0)  # a prefill row drafts nothing
 
     @property
     def has_work(self) -> bool:
@@ -202,11 +229,13 @@ class Scheduler(PrefixHits):
         return victim
 
     def schedule(self) -> StepPlan:
+        # 0. The decoding sequences' draft lengths, before any page is granted.
+        self._decide_draft_lengths()
         # 1. Running requests get the pages their next tokens need, preempting if short.
         for seq in sorted(self.running, key=lambda s: s.admitted_at):
             if seq not in self.running:
                 continue  # preempted while serving an earlier one
-            need = self._pages_for(seq, self.lookahead_tokens)
+            need = self._pages_for(seq, self._lookahead(seq))
             while not self._fits(need):
                 if self._preempt_latest() is seq:
                     break
@@ -217,7 +246,7 @@ class Scheduler(PrefixHits):
         for seq in self.running:
             if not self._is_prefill(seq):
                 chunks[seq.seq_id] = 1
-                budget -= 1 + self.num_draft_tokens
+                budget -= 1 + self.draft_lengths.get(seq.seq_id, self.num_draft_tokens)
         for seq in self.running:
             if self._is_prefill(seq) and budget > 0:
                 chunks[seq.seq_id] = min(seq.num_uncomputed, budget)
@@ -226,7 +255,7 @@ class Scheduler(PrefixHits):
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             hit, hit_pages, keys = self._find_hit(seq)
-            need = self._pages_for(seq, self.lookahead_tokens)
+            need = self._pages_for(seq, self._lookahead(seq))  # adaptive: a prefill row drafts nothing
             need = (need[0] - len(hit_pages[0]), need[1] - (len(hit_pages[1]) if len(hit_pages) > 1 else 0))
             revive = [pool.allocator.num_to_revive(p) for pool, p in zip(self.prefix_pools, hit_pages)] + [0, 0]
             if not self._fits((need[0] + revive[0], need[1] + revive[1])):
@@ -267,7 +296,7 @@ class Scheduler(PrefixHits):
             if self.num_draft_tokens:
                 # only a decoding sequence drafts; a (re)computed prompt runs on the target alone
                 is_decoding = not self._is_prefill(seq)
-                seq.num_drafts_fed = self.num_draft_tokens if is_decoding else 0
+                seq.num_drafts_fed = self.draft_lengths.get(seq.seq_id, self.num_draft_tokens) if is_decoding else 0
                 plan.num_drafts.append(seq.num_drafts_fed)
             if self.draft_allocator is not None:
                 plan.new_draft_blocks.append(seq.draft_block_table[seq.num_draft_blocks_sent:])
@@ -288,7 +317,7 @@ class Scheduler(PrefixHits):
                 self._publish(seq)
                 continue
             new = new if isinstance(new, list) else [new]
-            seq.num_decode_steps += 1 if seq.num_drafts_fed else 0
+            seq.num_decode_steps += 1 if seq.num_drafts_fed or seq.seq_id in self.draft_lengths else 0
             if seq.num_drafts_fed and self.drafter_kv is not None:
                 # the drafter consumed every position before the fed token (spec_step.py)
                 seq.num_draft_valid = max(seq.num_draft_valid, len(seq.token_ids) - 1)

@@ -190,11 +190,14 @@ class OnlineStepCost:
     """The model refreshed from every step's timing: ridge least squares over the last
     ``window`` steps towards ``prior`` (kept as running sums, so a step costs O(features^2))."""
 
-    def __init__(self, prior: StepCost, *, window: int = 256, prior_weight: float = 4.0):
+    def __init__(self, prior: StepCost, *, window: int = 256, prior_weight: float = 4.0, refit_every: int = 1):
         if window < 1 or prior_weight <= 0:
             raise ConfigError(f"OnlineStepCost needs window ({window}) >= 1 and prior_weight ({prior_weight}) > 0: "
                               f"the prior keeps the fit defined before every feature has varied")
+        if not isinstance(refit_every, int) or refit_every < 1:
+            raise ConfigError(f"refit_every ({refit_every!r}) must be an integer >= 1 (steps between refits)")
         self.prior, self.window, self.prior_weight = prior, window, prior_weight
+        self.refit_every = refit_every  # the solve is most of a record's cost; the sums move every step
         self._samples: deque[tuple[tuple[float, ...], float]] = deque()
         n = len(FEATURES)
         self._gram = [[0.0] * n for _ in range(n)]
@@ -223,6 +226,8 @@ class OnlineStepCost:
             self._gram, self._moment = [[0.0] * n for _ in range(n)], [0.0] * n
             for x_old, s_old in self._samples:
                 self._accumulate(x_old, s_old, 1.0)
+        if self._num_recorded % self.refit_every:
+            return self.cost
         fitted = _ridge(self._gram, self._moment, len(self._samples), self.prior, self.prior_weight)
         self.cost = self.prior if fitted is None else StepCost.from_coefficients(fitted)
         return self.cost

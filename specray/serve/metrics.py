@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # seconds; fine at the low end where CPU token latencies of small models live
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -70,6 +70,25 @@ class EngineStatsCollector:
             for pool, count in sorted((values or {}).items()):
                 family.add_metric([self._model, pool], count)
             yield family
+        if stats.adaptive:
+            yield from self._adaptive(stats.adaptive, labels, counter)
+
+    def _adaptive(self, adaptive: dict, labels, counter):
+        """Adaptive speculation: the draft length chosen per decode row and step (a histogram,
+        one bucket per length 0..k), steps in which no row drafted, and length switches."""
+        hist = adaptive["draft_length_histogram"]
+        cumulative = [sum(hist[:k + 1]) for k in range(len(hist))]
+        family = HistogramMetricFamily(PREFIX + "spec_decode_draft_length",
+                                       "draft length chosen per decode row and step (0: a plain decode)",
+                                       labels=labels)
+        family.add_metric([self._model], [(str(float(k)), c) for k, c in enumerate(cumulative)]
+                          + [("+Inf", cumulative[-1] if cumulative else 0)],
+                          sum_value=sum(k * n for k, n in enumerate(hist)))
+        yield family
+        yield counter("spec_decode_num_steps_without_drafting", "steps in which no decoding row drafted",
+                      adaptive["num_steps_without_drafting"])
+        yield counter("spec_decode_num_draft_length_switches", "steps whose held draft lengths changed",
+                      adaptive["num_draft_length_switches"])
 
 
 class ServerMetrics:

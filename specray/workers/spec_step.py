@@ -44,8 +44,11 @@ class SpecRunner:
         self.draft_tables: dict[int, list[int]] = {}  # standalone drafter's pages, mirrored from the plan
         self.tokens: dict[int, list[int]] = {}
         self.consumed: dict[int, int] = {}  # positions the drafter's cache holds
-        self.features: dict[int, torch.Tensor | None] = {}  # target features of [consumed, verified)
+        # target features of [consumed, verified), in the chunks the steps produced: joined only
+        # when the drafter reads them, so a run of steps without drafts copies each row once
+        self.features: dict[int, list[torch.Tensor]] = {}
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
+        self._plain_features: torch.Tensor | None = None  # the last plain step's features (target_forward)
         log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
         self._draft_log = Path(log_dir) / f"rank{worker.ctx.rank}.drafts" if log_dir else None
 
@@ -54,17 +57,47 @@ class SpecRunner:
             for state in (self.draft_tables, self.tokens, self.consumed, self.features):
                 state.pop(sid, None)
         for sid in plan.preempted:
-            self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, None
+            self.draft_tables[sid], self.consumed[sid], self.features[sid] = [], 0, []
         for sid, prefix in plan.cached_prefix.items():  # a prefix hit: the drafter's KV is cached there too
-            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), None
+            self.tokens[sid], self.consumed[sid], self.features[sid] = list(prefix), len(prefix), []
         for sid, (_, num_draft_blocks) in plan.truncated.items():
             del self.draft_tables.setdefault(sid, [])[num_draft_blocks:]
         for sid, blocks in zip(plan.seq_ids, plan.new_draft_blocks):
             self.draft_tables.setdefault(sid, []).extend(blocks)
         for sid, start, ids in zip(plan.seq_ids, plan.start_positions, plan.input_ids):
-            self.tokens[sid] = self.tokens.get(sid, [])[:start] + list(ids)
+            tokens = self.tokens.setdefault(sid, [])
+            del tokens[start:]  # in place: a copy of the whole sequence every step is O(length)
+            tokens.extend(ids)
             self.consumed.setdefault(sid, 0)
-            self.features.setdefault(sid, None)
+            self.features.setdefault(sid, [])
+
+    def runs_plain(self, plan: StepPlan) -> bool:
+        """Whether a step runs as a plain step: no row drafts (adaptive length 0 for every
+        decoding row, or only prefill rows). The drafter stays current all the same: the
+        worker's plain forward keeps the target features a feature-conditioned drafter (eagle3,
+        mtp, dflash, dspark) needs (``target_forward``), ``observe_plain`` appends them with the
+        new tokens, and the drafter's cache catches up on every position it has not consumed at
+        its next draft, as it does after a prefill (a draft model from the tokens alone)."""
+        return not any(plan.num_drafts)
+
+    def target_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The target's forward of a plain step (the worker's), capturing the drafter's feature
+        layers of every fed row for ``observe_plain``; returns the final hidden states."""
+        hidden, self._plain_features = self._forward(ids, positions, meta)
+        return hidden
+
+    def observe_plain(self, plan: StepPlan, tokens: list) -> None:
+        """Mirror a plain step's effect on the drafter's state: the new tokens and the target
+        features of the fed positions (as ``_keep`` after a verify of no drafts); nothing consumed."""
+        self._apply_deltas(plan)
+        self.num_drafts = [0] * len(plan.seq_ids)
+        features, self._plain_features = self._plain_features, None
+        first = 0
+        for i, (sid, new) in enumerate(zip(plan.seq_ids, tokens)):
+            self._keep(i, sid, plan, 0, features, first)
+            first += len(plan.input_ids[i])
+            if new is not None:
+                self.tokens[sid].append(new)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[list[int]]:
@@ -109,15 +142,25 @@ class SpecRunner:
 
     def _draft(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Drafts (and, for sampled requests, the draft distributions) by plan row; a row whose
-        drafter proposed nothing is absent. ``plan.num_drafts`` is each row's most (k)."""
-        rows = [i for i, n in enumerate(plan.num_drafts) if n]
-        if not rows:
-            return {}, {}
+        drafter proposed nothing is absent. ``plan.num_drafts`` is each row's most: k, or with
+        adaptive speculation its chosen length; rows of one length draft together (the drafter
+        writes its KV below L + length, the pages the scheduler granted)."""
+        drafts: dict[int, list[int]] = {}
+        probs: dict[int, torch.Tensor] = {}
+        for length in sorted(set(plan.num_drafts) - {0}):
+            rows = [i for i, n in enumerate(plan.num_drafts) if n == length]
+            group_drafts, group_probs = self._draft_rows(plan, rows, length)
+            drafts.update(group_drafts)
+            probs.update(group_probs)
+        return drafts, probs
+
+    def _draft_rows(self, plan: StepPlan, rows: list[int], k: int) -> tuple[dict[int, list[int]],
+                                                                            dict[int, torch.Tensor]]:
         w = self.worker
         sids = [plan.seq_ids[i] for i in rows]
         pools, block_size, tables = self._draft_kv()
-        seqs = [DraftSeq(self.tokens[s], self.consumed[s], self.features[s], tables.get(s, [])) for s in sids]
-        batch = DraftBatch(seqs, self.k, pools, block_size, w.ctx.device)
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, [])) for s in sids]
+        batch = DraftBatch(seqs, k, pools, block_size, w.ctx.device)
         probs: dict[int, list[torch.Tensor]] = {}
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
@@ -134,9 +177,9 @@ class SpecRunner:
         proposed = proposed.tolist() if isinstance(proposed, torch.Tensor) else proposed
         for sid, seq in zip(sids, seqs):
             length = len(seq.tokens)
-            self.consumed[sid] = length + self.k - 1 if self.drafter.reuses_draft_kv else length - 1
-            self.features[sid] = None
-        drafts = {row: list(d[:self.k]) for row, d in zip(rows, proposed) if len(d)}
+            self.consumed[sid] = length + k - 1 if self.drafter.reuses_draft_kv else length - 1
+            self.features[sid] = []
+        drafts = {row: list(d[:k]) for row, d in zip(rows, proposed) if len(d)}
         # a drafter that stopped a row early (dspark's confidence) chose more than it proposed
         return drafts, {i: torch.stack(p)[:len(drafts[i])] for i, p in probs.items() if i in drafts}
 
@@ -150,22 +193,25 @@ class SpecRunner:
         positions, meta = build_metadata(tables, w.geometry["target"].tokens_per_block, plan.start_positions,
                                          lens, dev)
         ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64, device=dev)
-        layers = self.drafter.feature_layers
-        capture = tuple(i for i in layers if i != FINAL_HIDDEN)
-        hidden = w.model(ids, positions, w.pools, meta, capture_layers=capture)
-        features = None
-        if capture:
-            hidden, captured = hidden
+        hidden, features = self._forward(ids, positions, meta)
         w.step_prompt_logprobs = compute_prompt_logprobs(
             w.model, hidden, plan, lens, {sid: w.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
-        if capture:
-            by_layer = dict(zip(capture, captured))
-            features = torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
-        elif layers:
-            features = hidden
         ends = torch.tensor(lens).cumsum(0).tolist()
         scored = [r for end, n in zip(ends, num_drafts) for r in range(end - n - 1, end)]
         return w.model.logits(hidden[torch.tensor(scored, device=dev)]), features
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's final hidden states at every row, and the drafter's features there
+        (its ``feature_layers`` concatenated; None for a drafter that needs none)."""
+        w = self.worker
+        layers = self.drafter.feature_layers
+        capture = tuple(i for i in layers if i != FINAL_HIDDEN)
+        if not capture:
+            hidden = w.model(ids, positions, w.pools, meta)
+            return hidden, hidden if layers else None
+        hidden, captured = w.model(ids, positions, w.pools, meta, capture_layers=capture)
+        by_layer = dict(zip(capture, captured))
+        return hidden, torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
 
     def _verify(self, sid: int, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> list[int]:
         grammars = self.worker.grammars
@@ -203,6 +249,11 @@ class SpecRunner:
         self.consumed[sid] = min(self.consumed[sid], verified)
         if features is None:
             return
-        fresh = features[first:first + verified - start]
-        old = self.features[sid]
-        self.features[sid] = fresh if old is None else torch.cat([old, fresh])
+        self.features[sid].append(features[first:first + verified - start])
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
+    """A sequence's kept features as one [positions, F] tensor (None: a drafter that keeps none)."""
+    if not chunks:
+        return None
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -201,16 +201,27 @@ class RankWorker:
     def _forward_and_sample(self, plan: StepPlan) -> list[int] | list[list[int]]:
         self._apply_deltas(plan)
         self.step_logprobs, self.step_prompt_logprobs = None, {}
-        if self.spec is not None:
+        if self.spec is not None and not self.spec.runs_plain(plan):
             return self.spec.execute(plan)
         if not plan.seq_ids:
+            if self.spec is not None:
+                self.spec.observe_plain(plan, [])
             return []
+        tokens = self._plain_step(plan)
+        if self.spec is not None:  # no row drafted: the drafter's mirror still follows (spec_step.py)
+            self.spec.observe_plain(plan, tokens)
+        return tokens
+
+    def _plain_step(self, plan: StepPlan) -> list[int]:
         tables = [self.block_tables[sid] for sid in plan.seq_ids]
         query_lens = [len(ids) for ids in plan.input_ids]
         positions, meta = build_metadata(tables, self.geometry["target"].tokens_per_block, plan.start_positions,
                                          query_lens, self.ctx.device)
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
-        hidden = self.model(ids, positions, self.pools, meta)
+        if self.spec is None:
+            hidden = self.model(ids, positions, self.pools, meta)
+        else:  # a step with no drafts: the drafter keeps the features it needs of it (spec_step.py)
+            hidden = self.spec.target_forward(ids, positions, meta)
         self.step_prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, plan, query_lens, {sid: self.num_top(sid, prompt=True) for sid in plan.prompt_logprobs})
         if len(ids) != len(query_lens):  # a decode step (one row a sequence) needs no gather

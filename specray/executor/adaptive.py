@@ -1,0 +1,76 @@
+"""Adaptive speculation on rank 0: each step's draft lengths, from a cost model refreshed by
+the step timings this rank measures and each request's acceptance (issue 27).
+
+The scheduler asks ``choose`` for the lengths of the sequences that decode this step (never
+its prefill rows) before it grants pages; after the step the engine hands back the plan, the
+drafts each row verified, the new tokens and the step's wall time on rank 0 (plan sent to
+the followers, forward, collectives, sampling: what the ranks together took), and this
+records the step's shape and time in the online fit and each row's acceptance in its EMA.
+
+The prior (the fit's starting point, counted as ``prior_weight`` steps) is a rough CPU
+figure, not a measurement: the first window of real timings moves the fit to this host;
+the acceptance prior 0.5 with it makes every method start drafting at batch 1. No start-up
+probe steps are run (see docs/speculative.md, "Adaptive draft length").
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specray.executor.draft_length import DraftLengthController, DraftLengthPolicy, draft_forwards
+from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape
+from specray.workers.plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+# seconds per unit: a step's fixed cost, a target row (plain or verified draft), a prompt
+# token, a drafter row and a drafter forward; of the order this CPU measures for tiny models
+PRIOR_COST = StepCost(c_step=5e-3, c_decode_row=2e-3, c_verify_row=1e-3, c_prefill_token=0.5e-3,
+                      c_draft_row=0.2e-3, c_draft_forward=1e-3)
+
+
+class AdaptiveDraftLengths:
+    def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST,
+                 policy: DraftLengthPolicy | None = None, window: int = 256):
+        self.method, self.ceiling = method, ceiling
+        self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
+        # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
+        self.cost = OnlineStepCost(prior, window=window, refit_every=8)
+        self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
+        log.info("adaptive speculation (%s, lengths 0..%d): %s", method, ceiling, self.cost.describe())
+
+    def choose(self, decoding) -> list[int]:
+        """The draft lengths of the sequences that decode this step (scheduler hook)."""
+        ids = [seq.seq_id for seq in decoding]
+        lengths = self.controller.decide(ids, self.cost.cost)
+        self._planned = dict(zip(ids, lengths))
+        return lengths
+
+    def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float) -> None:
+        """Record a step: its shape and time, each decode row's acceptance; forget finished ones."""
+        for sid in plan.finished:
+            self.controller.forget(sid)
+        if not plan.seq_ids:
+            return
+        num_drafts = num_drafts or [0] * len(plan.seq_ids)
+        decode_rows = verify_rows = draft_rows = prefill_tokens = longest = 0
+        for sid, ids, proposed, new in zip(plan.seq_ids, plan.input_ids, num_drafts, tokens):
+            planned = self._planned.get(sid)
+            if planned is None:  # a prefill row (or a chunk of one)
+                prefill_tokens += len(ids)
+                continue
+            decode_rows += 1
+            verify_rows += proposed
+            draft_rows += planned
+            longest = max(longest, planned)
+            if new is not None and new != []:
+                accepted = len(new) - 1 if isinstance(new, list) else 0
+                self.controller.record(sid, proposed, min(accepted, proposed))
+        shape = StepShape(num_decode_rows=decode_rows, num_verify_rows=verify_rows,
+                          num_prefill_tokens=prefill_tokens, num_draft_rows=draft_rows,
+                          num_draft_forwards=draft_forwards(self.method, longest))
+        self.cost.record(shape, seconds)
+        self._planned = {}
+
+    def stats(self) -> dict:
+        return {**self.controller.stats(), "step_cost": self.cost.stats()}

@@ -1,0 +1,185 @@
+"""Adaptive draft lengths in the scheduler (executor/adaptive.py with executor/scheduler.py),
+plain Python with made-up tokens: a prefill arriving does not change the running rows'
+lengths (and a mutation that lets prefill rows into the decision does); a sequence holds
+pages for its tokens plus the length chosen for it, never the ceiling (and a mutation that
+reserves the ceiling, as a static k does, is caught); lengths stay put under a steady noisy
+load (bounded switches per 100 steps, through the engine's observe path; without the margin
+they flap). The step times are what a known linear cost gives, so the online fit stays on it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specray.config import SamplingParams
+from specray.executor.adaptive import AdaptiveDraftLengths
+from specray.executor.draft_length import DraftLengthPolicy, draft_forwards
+from specray.executor.scheduler import Scheduler, Sequence
+from specray.executor.step_cost import StepCost, StepShape
+from specray.kv.allocator import BlockAllocator, blocks_needed
+
+K, PAGE, DRAFT_PAGE = 4, 4, 8  # small pages: a slot past the chosen length shows as a page
+TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0015, c_prefill_token=0.0005,
+                c_draft_row=0.0002, c_draft_forward=0.001)
+# a step cost dominated by its fixed part: its share per row falls as rows join, so a decision
+# that counted an arriving prefill row moves the running rows' lengths (2 each -> 1 each here)
+ARRIVAL = StepCost(c_step=0.030, c_decode_row=0.001, c_verify_row=0.001, c_prefill_token=0.0005,
+                   c_draft_row=0.0002, c_draft_forward=0.004)
+
+
+def make(method="draft_model", budget=1 << 20, margin=0.05, prior=TRUE):
+    sched = Scheduler(BlockAllocator(8192), PAGE, 16, budget, num_draft_tokens=K,
+                      draft_allocator=BlockAllocator(8192), draft_tokens_per_block=DRAFT_PAGE)
+    adaptive = AdaptiveDraftLengths(method, K, prior=prior,
+                                    policy=DraftLengthPolicy(ceiling=K, switch_margin=margin))
+    sched.choose_draft_lengths = adaptive.choose
+    return sched, adaptive
+
+
+def sequence(sid, prompt_len, max_tokens=1000):
+    return Sequence(sid, [(sid * 7 + i) % 50 for i in range(prompt_len)], prompt_len,
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0)
+
+
+def shape_of(plan, method):
+    decode = [n for ids, n in zip(plan.input_ids, plan.num_drafts) if len(ids) == 1]
+    prefill = sum(len(ids) for ids in plan.input_ids if len(ids) > 1)
+    return StepShape(num_decode_rows=len(decode), num_verify_rows=sum(decode), num_draft_rows=sum(decode),
+                     num_prefill_tokens=prefill, num_draft_forwards=draft_forwards(method, max(decode, default=0)))
+
+
+def step(sched, adaptive, rngs, method="draft_model", p_accept=0.7, noise=None, true=TRUE):
+    """One step: each drafting row accepts each draft with p_accept (its own rng); the step
+    takes ``true``'s time (times noise). Returns the plan."""
+    plan = sched.schedule()
+    tokens = []
+    for sid, n in zip(plan.seq_ids, plan.num_drafts):
+        if sid in plan.partial:
+            tokens.append(None)
+            continue
+        rng = rngs.setdefault(sid, random.Random(sid))
+        accepted = next((i for i in range(n) if rng.random() >= p_accept), n)
+        tokens.append([rng.randrange(50) for _ in range(accepted + 1)])
+    sched.finish_step(tokens, list(plan.num_drafts))
+    seconds = true.predict(shape_of(plan, method)) * (noise() if noise else 1.0)
+    adaptive.observe(plan, list(plan.num_drafts), tokens, seconds)
+    return plan
+
+
+def lengths_with_an_arrival(arrival_step, steps=24):
+    """The lengths of requests 0 and 1 per step (and, per step, whether request 2 was passed
+    to the decision); request 2, a 300-token prompt in 64-token chunks, arrives at
+    ``arrival_step`` (None: never)."""
+    sched, adaptive = make(budget=64, prior=ARRIVAL, margin=0.0)  # no hysteresis to hide a change
+    choose, seen = adaptive.choose, []
+
+    def spy(decoding):
+        seen.append([seq.seq_id for seq in decoding])
+        return choose(decoding)
+
+    sched.choose_draft_lengths = spy
+    for sid in (0, 1):
+        sched.add(sequence(sid, 6))
+    rngs, lengths, prefilling = {}, [], []
+    for i in range(steps):
+        if i == arrival_step:
+            sched.add(sequence(2, 300))
+        plan = step(sched, adaptive, rngs, true=ARRIVAL)
+        by_sid = dict(zip(plan.seq_ids, plan.num_drafts))
+        lengths.append((by_sid.get(0), by_sid.get(1)))
+        prefilling.append(2 in plan.seq_ids and len(plan.input_ids[plan.seq_ids.index(2)]) > 1)
+    return lengths, prefilling, seen
+
+
+def test_a_prefill_arriving_does_not_change_the_running_rows_lengths():
+    alone, _, _ = lengths_with_an_arrival(None)
+    joined, prefilling, seen = lengths_with_an_arrival(6)
+    steps = [i for i, p in enumerate(prefilling) if p]
+    assert len(steps) >= 4  # request 2 prefilled in chunks beside the decoding rows
+    last = steps[-1]
+    assert joined[:last + 1] == alone[:last + 1]
+    assert any(k for pair in joined[6:last + 1] for k in pair)  # the running rows drafted meanwhile
+    assert all(2 not in ids for ids, p in zip(seen, prefilling) if p)
+
+
+def test_mutation_a_decision_over_every_scheduled_row_is_caught(monkeypatch):
+    # vLLM #49548's trap: lengths keyed on every scheduled request, an arriving prefill included
+    def decide_on_every_row(self):
+        rows = list(self.running)
+        self.draft_lengths = dict(zip((s.seq_id for s in rows), self.choose_draft_lengths(rows)))
+
+    monkeypatch.setattr(Scheduler, "_decide_draft_lengths", decide_on_every_row)
+    alone, _, _ = lengths_with_an_arrival(None)
+    joined, prefilling, _ = lengths_with_an_arrival(6)
+    last = max(i for i, p in enumerate(prefilling) if p)
+    assert joined[:last + 1] != alone[:last + 1]
+
+
+def check_pages(sched, plan):
+    """Every scheduled sequence holds pages for its tokens plus its chosen length, no more."""
+    for seq in sched.running:
+        if seq.seq_id not in plan.seq_ids:
+            continue
+        n = plan.num_drafts[plan.seq_ids.index(seq.seq_id)]
+        assert n == sched.draft_lengths.get(seq.seq_id, 0)
+        tokens = len(seq.token_ids) + n
+        assert len(seq.block_table) == blocks_needed(tokens, PAGE), (seq.seq_id, n, len(seq.token_ids))
+        assert len(seq.draft_block_table) == blocks_needed(tokens, DRAFT_PAGE), (seq.seq_id, n)
+
+
+def run_checking_pages(steps=60):
+    sched, adaptive = make(budget=48)
+    rngs, lengths = {}, set()
+    for sid in range(4):
+        sched.add(sequence(sid, 5 + 9 * sid, max_tokens=30 + 10 * sid))
+    for i in range(steps):
+        if i in (10, 25):  # prompts arriving mid-run, admitted with pages for their prompt only
+            sched.add(sequence(10 + i, 70))
+        plan = sched.schedule()
+        check_pages(sched, plan)
+        lengths.update(plan.num_drafts)
+        tokens = [None if sid in plan.partial else [rngs.setdefault(sid, random.Random(sid)).randrange(50)
+                                                     for _ in range(1 + (n > 0))]
+                  for sid, n in zip(plan.seq_ids, plan.num_drafts)]
+        sched.finish_step(tokens, list(plan.num_drafts))
+        adaptive.observe(plan, list(plan.num_drafts), tokens, TRUE.predict(shape_of(plan, "draft_model")))
+    return lengths
+
+
+def test_no_lookahead_pages_past_the_chosen_length():
+    lengths = run_checking_pages()
+    # prefill rows (length 0) and drafting rows below the ceiling: where a static reservation differs
+    assert 0 in lengths and lengths - {0, K}, lengths
+
+
+def test_mutation_pages_for_the_ceiling_are_caught(monkeypatch):
+    # the static-k reservation (vLLM #49548 kept it under its per-batch-size k)
+    monkeypatch.setattr(Scheduler, "_lookahead", lambda self, seq: self.lookahead_tokens)
+    with pytest.raises(AssertionError):
+        run_checking_pages()
+
+
+def switches_in_last_200(margin, seed=5, steps=300):
+    """8 requests decoding steadily (ngram, acceptance 0.7), step times with 10% noise: the
+    draft-length switches over the last 200 steps (the first 100 let the estimates settle)."""
+    prior = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0012)
+    sched, adaptive = make("ngram", margin=margin, prior=prior)
+    noise_rng = random.Random(seed)
+    for sid in range(8):
+        sched.add(sequence(sid, 8, max_tokens=10_000))
+    rngs = {sid: random.Random(seed * 100 + sid) for sid in range(8)}
+    before = 0
+    for i in range(steps):
+        if i == steps - 200:
+            before = adaptive.stats()["num_draft_length_switches"]
+        step(sched, adaptive, rngs, "ngram", noise=lambda: max(0.5, 1 + noise_rng.gauss(0, 0.1)), true=prior)
+    stats = adaptive.stats()
+    assert sum(stats["draft_length_histogram"]) >= 8 * (steps - 1)
+    return stats["num_draft_length_switches"] - before
+
+
+def test_lengths_are_stable_under_a_steady_load():
+    assert switches_in_last_200(0.05) <= 4  # at most 2 switches per 100 steps
+    # mutation: without the margin the same load flaps (the estimates and the fit move each step)
+    assert switches_in_last_200(0.0) > 3 * max(switches_in_last_200(0.05), 1)
