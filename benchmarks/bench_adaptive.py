@@ -1,0 +1,211 @@
+"""Adaptive speculation against plain decoding and every static k, cell by cell (issue 27's grid).
+
+    python -m benchmarks.bench_adaptive [--eagle3 DIR] [--ks 1,3,5] [--concurrency 1,2,4,8,16]
+        [--rounds 2] [--num-prompts 16] [--output-len 48] [--json bench-results/adaptive.json]
+    python -m benchmarks.bench_adaptive --quick      # a smoke run: concurrency 1 and 4, one round
+
+Target SmolLM2-135M (the shipped file), chat-formatted HumanEval problems, greedy, TP 1, 64-token
+pages. The drafters (one group of rows each):
+
+- ``ngram``: 4- down to 1-gram prompt lookup on the chats (real acceptance);
+- ``eagle3``: the drafter ``specray train-drafter`` trained (``--eagle3 DIR``; left out without it);
+- ``dflash-none`` and ``dflash-all``: a random-weight DFlash head with forced acceptance, every
+  draft rejected (acceptance length 1) or every draft accepted (acceptance length k + 1): the two
+  ends the controller must get right whatever the drafter proposes.
+
+Per drafter: static k for each of ``--ks``, and adaptive (``SpecConfig(adaptive=True)``) with the
+ceiling max(ks). A cell is (drafter, concurrency c): the prompts run in closed batches of c (c
+requests in flight from the first token to the last, no arrivals). tok/s = tokens / wall time,
+prefill included. Each configuration is one engine that runs every c; the configurations
+alternate round by round (a burst of load falls on all of them) and each cell keeps its fastest
+round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
+decode rows in that cell's pass, ``off`` the steps it ran without drafting.
+
+Targets (issue 27), checked per cell: adaptive >= 0.97 x max(plain, the best static k); where
+every draft is rejected (``dflash-none``) >= 0.98 x plain; ngram at concurrency 1 >= the best
+static k's speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.own_thread import on_own_thread
+from benchmarks.prompts import humaneval_chats
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray.models.drafter_presets import dflash_config, head_weights
+from specray.models.loader import read_model_arch
+from specray.models.presets import resolve_model, write_checkpoint
+
+MODEL = "smollm2-135m"
+LOOKUP = dict(prompt_lookup_min=1, prompt_lookup_max=4)
+TARGET_CELL, TARGET_NO_ACCEPTANCE = 0.97, 0.98
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    """One configuration: its drafter group, k (0: plain) and SpecConfig."""
+
+    group: str
+    k: int
+    adaptive: bool
+    spec: SpecConfig
+
+    @property
+    def label(self) -> str:
+        return "plain" if not self.k else f"{self.group} {'adaptive <= ' if self.adaptive else 'k = '}{self.k}"
+
+
+def write_dflash(root: Path) -> str:
+    cfg = dflash_config(read_model_arch(resolve_model(MODEL)))
+    write_checkpoint(root / "dflash", cfg, head_weights("dflash", cfg, seed=1))
+    return str(root / "dflash")
+
+
+def configurations(args, dflash: str) -> list[Row]:
+    """Plain first; per drafter group its static ks, then adaptive at the ceiling."""
+    groups: dict[str, dict] = {"ngram": dict(method="ngram", **LOOKUP)}
+    if args.eagle3 is not None:
+        groups["eagle3"] = dict(method="eagle3", draft_model=str(args.eagle3))
+    groups["dflash-none"] = dict(method="dflash", draft_model=dflash, force=lambda k: 1.0)
+    groups["dflash-all"] = dict(method="dflash", draft_model=dflash, force=lambda k: k + 1.0)
+    rows = [Row(group="plain", k=0, adaptive=False, spec=SpecConfig())]
+    for group, kwargs in groups.items():
+        kwargs = dict(kwargs)
+        force = kwargs.pop("force", None)
+        for k, adaptive in [(k, False) for k in args.ks] + [(max(args.ks), True)]:
+            spec = SpecConfig(num_draft_tokens=k, adaptive=adaptive,
+                              force_accepted_tokens=force(k) if force else None, **kwargs)
+            rows.append(Row(group=group, k=k, adaptive=adaptive, spec=spec))
+    return rows
+
+
+def adaptive_counts(llm: LLM) -> tuple[list[int], int]:
+    stats = llm.stats().adaptive
+    return list(stats.get("draft_length_histogram", [])), stats.get("num_steps_without_drafting", 0)
+
+
+def run_pass(llm: LLM, chats: list, c: int, params: SamplingParams) -> dict:
+    """The chats in closed batches of c: tok/s, and what the adaptive run chose meanwhile."""
+    hist0, off0 = adaptive_counts(llm)
+    tokens, wall = 0, 0.0
+    for i in range(0, len(chats), c):
+        start = time.perf_counter()
+        outs = llm.chat(chats[i:i + c], params)
+        wall += time.perf_counter() - start
+        tokens += sum(len(o.token_ids) for o in outs)
+    hist1, off1 = adaptive_counts(llm)
+    lengths = [b - a for a, b in zip(hist0 or [0] * len(hist1), hist1)]
+    return dict(tok_s=tokens / wall, num_tokens=tokens, lengths=lengths, off=off1 - off0)
+
+
+def run_rounds(rows: list[Row], chats: list, args) -> dict[tuple[int, int], dict]:
+    """best[(row index, c)]: the fastest pass, with every round's tok/s in ``rounds``."""
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    best: dict[tuple[int, int], dict] = {}
+    for r in range(args.rounds):
+        for i, row in enumerate(rows):
+            cfg = EngineConfig(model=MODEL, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384), spec=row.spec)
+            with LLM(cfg) as llm:
+                llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
+                for c in args.concurrency:
+                    result = run_pass(llm, chats, c, params)
+                    key = (i, c)
+                    rounds = best.get(key, {}).get("rounds", []) + [result["tok_s"]]
+                    if key not in best or result["tok_s"] > best[key]["tok_s"]:
+                        best[key] = result
+                    best[key]["rounds"] = rounds
+            print(f"round {r + 1}/{args.rounds}: {row.label}: " + ", ".join(
+                f"c={c} {best[(i, c)]['rounds'][-1]:.1f}" for c in args.concurrency) + " tok/s", flush=True)
+    return best
+
+
+def cells(rows: list[Row], best: dict, args) -> list[dict]:
+    """One line per (drafter group, c): plain, each static k, adaptive, the ratio and verdict."""
+    out = []
+    for group in dict.fromkeys(r.group for r in rows[1:]):
+        idx = [i for i, r in enumerate(rows) if r.group == group]
+        static = [i for i in idx if not rows[i].adaptive]
+        adaptive = next(i for i in idx if rows[i].adaptive)
+        for c in args.concurrency:
+            plain = best[(0, c)]["tok_s"]
+            by_k = {rows[i].k: best[(i, c)]["tok_s"] for i in static}
+            best_k = max(by_k, key=by_k.get)
+            got = best[(adaptive, c)]
+            reference = max(plain, by_k[best_k])
+            cell = dict(drafter=group, c=c, plain=plain, **{f"k={k}": v for k, v in by_k.items()},
+                        best_k=best_k, adaptive=got["tok_s"], ratio=got["tok_s"] / reference,
+                        lengths=got["lengths"], off=got["off"])
+            cell["verdicts"] = verdicts(group, c, cell, plain, by_k[best_k])
+            out.append(cell)
+    return out
+
+
+def verdicts(group: str, c: int, cell: dict, plain: float, best_static: float) -> list[str]:
+    checks = [(f"adaptive >= {TARGET_CELL} x max(plain, best static)", cell["ratio"] >= TARGET_CELL)]
+    if group == "dflash-none":
+        checks.append((f"adaptive >= {TARGET_NO_ACCEPTANCE} x plain", cell["adaptive"] >= TARGET_NO_ACCEPTANCE * plain))
+    if group == "ngram" and c == 1:
+        checks.append(("adaptive speedup >= best static k's", cell["adaptive"] >= best_static))
+    return [f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks]
+
+
+def format_cells(cells_: list[dict], ks: list[int]) -> str:
+    head = ["drafter", "c", "plain"] + [f"k={k}" for k in ks] + ["adaptive", "x best", "lengths 0..k", "off", "met"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for x in cells_:
+        met = "yes" if all(v.endswith(": met") for v in x["verdicts"]) else "NO"
+        lines.append(" | ".join([x["drafter"], str(x["c"]), f"{x['plain']:.1f}"] + [f"{x[f'k={k}']:.1f}" for k in ks]
+                                + [f"{x['adaptive']:.1f}", f"{x['ratio']:.2f}", "/".join(map(str, x["lengths"])),
+                                   str(x["off"]), met]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: concurrency 1 and 4, 8 prompts, one round")
+    ap.add_argument("--eagle3", type=Path, default=None, help="a drafter trained by specray train-drafter")
+    ap.add_argument("--ks", default="1,3,5", help="the static draft lengths; adaptive's ceiling is their max")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--num-prompts", type=int, default=16, help="HumanEval problems 0..N-1")
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=Path("bench-results/adaptive.json"))
+    args = ap.parse_args(argv)
+    args.ks = sorted(int(k) for k in args.ks.split(","))
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.quick:
+        args.concurrency, args.num_prompts, args.rounds = [1, 4], 8, 1
+    chats = humaneval_chats(args.num_prompts)
+    with tempfile.TemporaryDirectory(prefix="specray-bench-adaptive-") as root:
+        rows = configurations(args, on_own_thread(write_dflash, Path(root)))  # torch work off the main thread
+        start = time.time()
+        best = run_rounds(rows, chats, args)
+    result = cells(rows, best, args)
+    print(f"\n{MODEL}, HumanEval problems 0..{args.num_prompts - 1} (chat), {args.output_len} new tokens "
+          f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), fastest of {args.rounds} "
+          f"alternating round(s), {time.time() - start:.0f} s; tok/s\n")
+    print(format_cells(result, args.ks))
+    missed = [f"{x['drafter']} c={x['c']}: {v}" for x in result for v in x["verdicts"] if not v.endswith(": met")]
+    print("\n" + ("every cell meets its targets" if not missed else "NOT met:\n  " + "\n  ".join(missed)))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(dict(
+        model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
+        concurrency=args.concurrency, rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
+        machine=platform.processor() or platform.machine(), cells=result,
+        rows=[dict(label=r.label, c=c, **best[(i, c)]) for i, r in enumerate(rows) for c in args.concurrency]),
+        indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
