@@ -3,8 +3,9 @@ float32 rows of x, with W kept in its GGUF blocks (a uint8 tensor of raw blocks,
 as ``GGUFReader`` gives a tensor's data) and dequantized in registers.
 
 The contract is bit-equality: the result is ``small_gemm``'s on ``gguf.quants.dequantize``'s
-float32 weight, at every row and thread count (``tests/test_quant_gemv.py``). Not yet used
-by the model: the loader still dequantizes at load (issue 28 wires it in).
+float32 weight, at every row and thread count (``tests/test_quant_gemv.py``). The model runs it
+on the weights the loader keeps in their blocks (``quant_weight.py``; ``layers.linear`` and,
+inside the fused decode step, ``fused_layer.c``).
 """
 
 from __future__ import annotations
