@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from gguf import quants
 from gguf_files import write_gguf
 from kernel_build import built_kernels
+from test_quant_gemv import LAYOUTS, random_blocks
 from test_smollm2 import QUESTIONS
 from test_weight_memory import RankOf, held_bytes
 
@@ -214,3 +217,40 @@ def test_the_mode_reaches_the_ranks(monkeypatch):
                           kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))
     with pytest.raises(RankFailure, match=r"rank [12] .*reported ValueError: SPECRAY_CPU_QUANT must be one of"):
         LLM(config)
+
+
+def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monkeypatch):
+    # TP 2 by hand (loading runs no collective): q/k/v by heads (q/k un-permuted on rows of
+    # blocks), gate/up by rows, o by whole blocks of K; down's K shard (96 / 2 = 48) would split
+    # blocks of 32, so down is float32 with one log line
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types={
+        f"blk.{i}.{name}.weight": QType.Q8_0 for i in range(2)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")})
+    for rank in range(2):
+        ctx = DistContext(tp=RankOf(2, rank), moe_tp=RankOf(2, rank))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
+            quant = _load(path, "exact", monkeypatch, ctx)
+        assert [r.getMessage() for r in caplog.records] == [
+            "Q8_0 row-parallel shards of 48 columns split blocks of 32: those weights are dequantized to float32 at load"]
+        dense = _load(path, "0", monkeypatch, ctx)
+        for ours, theirs in zip(quant.layers, dense.layers):
+            for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
+                weight = ours.get_submodule(name).weight
+                assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
+                                                                       theirs.get_submodule(name).weight), name
+            assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+
+
+@pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)
+def test_the_panel_dequantizer_gives_the_gguf_packages_values(kernels, ggml_type):
+    # prefill dequantizes panels with the GEMV's own dequantizer: it must be gguf.quants.dequantize,
+    # bit for bit, on the GEMV test's blocks (every nibble, zero, subnormal and negative scales)
+    for n, k in ((1, 32), (7, 96), (33, 576)):
+        blocks = random_blocks(ggml_type, n, k, seed=n)
+        ours = kernels.quant.dequantize(torch.from_numpy(blocks.reshape(n, -1)), int(ggml_type), (n, k))
+        theirs = torch.from_numpy(quants.dequantize(blocks.reshape(n, -1), ggml_type).astype(np.float32))
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)  # -0.0 too
