@@ -182,12 +182,15 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     types = {f"blk.{i}.ffn_down.weight": QType.Q4_K for i in range(2)}  # no quantized kernel (yet)
     types.update({"blk.0.ffn_up.weight": QType.Q8_0, "blk.0.ffn_gate.weight": QType.Q8_0,
                   "blk.1.attn_output.weight": QType.Q4_1, "token_embd.weight": QType.Q4_0,
-                  "output.weight": QType.Q8_0})
+                  "output.weight": QType.Q8_0, "blk.1.attn_q.weight": QType.Q4_1, "blk.1.attn_k.weight": QType.Q4_1,
+                  "blk.1.attn_v.weight": QType.Q8_0})  # q/k/v of two types: one fused weight, float32
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
     with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
         quant = _load(path, "exact", monkeypatch)
-    lines = [r.getMessage() for r in caplog.records if "no quantized CPU kernel" in r.getMessage()]
-    assert lines == ["no quantized CPU kernel for Q4_K: its tensors are dequantized to float32 at load"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "no quantized CPU kernel for Q4_K: its tensors are dequantized to float32 at load",
+        "fused weights of mixed types (Q4_1, Q4_1, Q8_0) are dequantized to float32 at load"]
+    assert isinstance(quant.layers[1].self_attn.qkv.weight, torch.Tensor)
     assert isinstance(quant.layers[0].mlp.down.weight, torch.Tensor)
     assert isinstance(quant.layers[0].mlp.gate_up.weight, QuantWeight)
     assert isinstance(quant.layers[1].self_attn.o_proj.weight, QuantWeight)
@@ -215,7 +218,8 @@ def test_the_mode_reaches_the_ranks(monkeypatch):
     monkeypatch.setenv("SPECRAY_CPU_QUANT", "bogus")
     config = EngineConfig(model="smollm2-135m", parallel=ParallelConfig(tp_size=3, launcher="mp"),
                           kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))
-    with pytest.raises(RankFailure, match=r"rank [12] .*reported ValueError: SPECRAY_CPU_QUANT must be one of"):
+    rule = r"rank \d \(pid \d+\) died.*reported ValueError: SPECRAY_CPU_QUANT must be one of"
+    with pytest.raises(RankFailure, match=rule):
         LLM(config)
 
 
@@ -234,8 +238,8 @@ def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monk
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
             quant = _load(path, "exact", monkeypatch, ctx)
-        assert [r.getMessage() for r in caplog.records] == [
-            "Q8_0 row-parallel shards of 48 columns split blocks of 32: those weights are dequantized to float32 at load"]
+        assert [r.getMessage() for r in caplog.records] == ["Q8_0 row-parallel shards of 48 columns split blocks "
+                                                            "of 32: those weights are dequantized to float32 at load"]
         dense = _load(path, "0", monkeypatch, ctx)
         for ours, theirs in zip(quant.layers, dense.layers):
             for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
@@ -254,3 +258,10 @@ def test_the_panel_dequantizer_gives_the_gguf_packages_values(kernels, ggml_type
         ours = kernels.quant.dequantize(torch.from_numpy(blocks.reshape(n, -1)), int(ggml_type), (n, k))
         theirs = torch.from_numpy(quants.dequantize(blocks.reshape(n, -1), ggml_type).astype(np.float32))
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)  # -0.0 too
+
+
+def test_without_the_kernels_the_file_is_dequantized_at_load(monkeypatch):
+    # no C compiler (or SPECRAY_CPU_KERNELS=0): torch's ops serve, on float32 weights
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    model = _load(resolve_model("smollm2-135m"), "exact", monkeypatch)
+    assert quantized_weights(model) == [] and model.layers[0].mlp.down.weight.dtype == torch.float32

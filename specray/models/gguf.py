@@ -242,7 +242,8 @@ class GGUFReader:
         values = self._unpermuted(name, tensor, dequantize(tensor, dim, start, end), dim, start, end)
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype)
 
-    def _log_once(self, reason: str) -> None:
+    def log_once(self, reason: str) -> None:
+        """Log ``reason`` (why a weight is float32 after all) once per load."""
         if reason not in self._logged:
             self._logged.add(reason)
             log.info("%s", reason)
@@ -256,14 +257,14 @@ class GGUFReader:
         if qtype in (QType.F32, QType.F16) or len(tensor.shape) != 2 or not self.kernel_types:
             return None
         if int(qtype) not in self.kernel_types:
-            self._log_once(f"no quantized CPU kernel for {qtype.name}: its tensors are dequantized to float32 at load")
+            self.log_once(f"no quantized CPU kernel for {qtype.name}: its tensors are dequantized to float32 at load")
             return None
         size, nbytes = GGML_QUANT_SIZES[qtype]
         data, k = tensor.data, int(tensor.shape[0])
         if dim == 1:
             end = k if end is None else end
             if start % size or end % size:
-                self._log_once(f"{qtype.name} row-parallel shards of {end - start} columns split blocks of {size}: "
+                self.log_once(f"{qtype.name} row-parallel shards of {end - start} columns split blocks of {size}: "
                                f"those weights are dequantized to float32 at load")
                 return None
             data, k = data[:, start // size * nbytes:end // size * nbytes], end - start

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
+from specray.models import cpu_kernels
 from specray.models.cpu_kernels import kernels_for
 from specray.models.quant_weight import QuantWeight, concat_rows, padded_rows, set_weight
 
@@ -85,7 +86,11 @@ def _read_rows(reader, parts: list[tuple[str, int, int]]) -> QuantWeight | None:
     if read_blocks is None:
         return None
     blocks = [read_blocks(f"{name}.weight", 0, start, start + size) for name, start, size in parts]
-    if any(b is None for b in blocks) or len({b.ggml_type for b in blocks}) != 1:
+    if any(b is None for b in blocks):
+        return None
+    if len({b.ggml_type for b in blocks}) != 1:  # llama.cpp's mixes quantize v (or up) apart
+        reader.log_once(f"fused weights of mixed types ({', '.join(b.type_name for b in blocks)}) are dequantized "
+                        f"to float32 at load")
         return None
     return concat_rows(blocks)
 
@@ -248,9 +253,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _empty(self.shard, hidden, dtype=dtype, device=device)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, QuantWeight):  # only the rows looked up are dequantized
-            return self.weight.rows(ids).reshape(*ids.shape, self.weight.shape[1])
-        return F.embedding(ids, self.weight)
+        weight = self.weight
+        if not isinstance(weight, QuantWeight):
+            return F.embedding(ids, weight)
+        kernels = cpu_kernels.load_cpu_kernels()  # only the rows looked up are dequantized
+        if kernels is None:
+            return weight.rows(ids).reshape(*ids.shape, weight.shape[1])
+        rows = weight.blocks[ids.reshape(-1)]
+        return kernels.quant.dequantize(rows, weight.ggml_type, (rows.shape[0], weight.shape[1])).reshape(
+            *ids.shape, weight.shape[1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

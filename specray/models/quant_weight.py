@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import nn
 
-from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models import cpu_kernels
 
 QUANT_MODES = ("exact", "0")
 
@@ -133,7 +133,7 @@ def kernel_types(dtype: torch.dtype, device: torch.device) -> frozenset[int]:
     other dtypes, ``SPECRAY_CPU_QUANT=0``, no kernels built: every tensor dequantized at load)."""
     if quant_mode() == "0" or torch.device(device).type != "cpu" or dtype != torch.float32:
         return frozenset()
-    kernels = load_cpu_kernels()
+    kernels = cpu_kernels.load_cpu_kernels()
     if kernels is None:
         return frozenset()
     return frozenset(int(t) for t in GGMLQuantizationType if kernels.quant.has_kernel(int(t)))
