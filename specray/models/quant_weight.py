@@ -6,7 +6,9 @@ copy: the raw blocks of its rows (a uint8 tensor, one row of the weight per row 
 shape. The maths stays the float32 model's: ``linear`` runs the block GEMV of
 ``quant_kernels.py`` (bitwise equal to ``small_gemm`` on the dequantized weight) at 1-32 rows
 and dequantizes a panel of rows at a time into the float32 kernels beyond; an embedding row is
-dequantized on lookup by the gguf package's own dequantizer, the one the float32 path loads with.
+dequantized on lookup. Both dequantize with the GEMV's own code, which gives the values of the
+gguf package's dequantizer (the one the float32 path loads with; ``dequantize`` and ``rows``
+below call that one, for ranks without the kernels).
 
 Sharding works on whole rows and whole blocks, so it never splits a block:
 
