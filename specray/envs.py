@@ -13,6 +13,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |                                   | path, which takes any page (a GPU deployment's rules, on CPU)  |
 | SPECRAY_CPU_MALLOC_TUNING         | 0 keeps glibc's malloc thresholds (see workers/cpu_malloc.py)  |
 | SPECRAY_CPU_FUSED_LAYERS          | 0 runs decode steps module by module (models/fused_decode.py)  |
+| SPECRAY_CPU_QUANT                 | exact (default) keeps GGUF weights in their blocks on CPU     |
+|                                   | ranks, 0 dequantizes them at load (models/quant_weight.py)     |
 | SPECRAY_CPU_BARRIER_WAITS         | spin, sleep or auto (default): how OpenMP threads wait at a    |
 |                                   | barrier on a CPU rank (workers/barrier_waits.py)               |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |

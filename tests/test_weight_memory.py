@@ -1,5 +1,7 @@
 """A CPU rank holds one copy of each weight: its tensors stay within 1.1x of the bytes its
-shard of the checkpoint implies (issue 18; specray used to keep a oneDNN-packed second copy)."""
+shard of the checkpoint implies (issue 18; specray used to keep a oneDNN-packed second copy).
+GGUF weights kept in their blocks count as the bytes of those blocks (issue 28;
+tests/test_quant_model.py holds them against the file's own tensor bytes)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from specray.comm.context import DistContext
 from specray.comm.group import Group
 from specray.models import loader
 from specray.models.presets import resolve_model
+from specray.models.quant_weight import quantized_weights
 
 BOUND = 1.1
 
@@ -27,6 +30,7 @@ def held_bytes(model) -> int:
     tensors = [*model.parameters(), *model.buffers(), model.rotary.cos, model.rotary.sin, model.rotary.inv_freq]
     for module in model.modules():
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    tensors += [w.blocks for w in quantized_weights(model)]
     storages = {}
     for t in tensors:
         if t.layout == torch.strided:
@@ -37,7 +41,7 @@ def held_bytes(model) -> int:
 
 
 def shard_bytes_and_model(path, tp: int, rank: int, monkeypatch):
-    """(bytes this rank reads from the checkpoint in the engine dtype, the loaded model)."""
+    """(bytes this rank reads from the checkpoint in the engine dtype or in GGUF blocks, the loaded model)."""
     read = []
     real = loader.open_checkpoint
 
@@ -50,6 +54,14 @@ def shard_bytes_and_model(path, tp: int, rank: int, monkeypatch):
             read.append(t.numel() * t.element_size())
             return t
         reader.read = read_counted
+        if hasattr(reader, "read_blocks"):  # GGUF: the blocks a rank keeps, in their bytes
+            original_blocks = reader.read_blocks
+
+            def read_blocks_counted(*a, **k):
+                w = original_blocks(*a, **k)
+                read.append(w.nbytes if w is not None else 0)
+                return w
+            reader.read_blocks = read_blocks_counted
         return reader
 
     monkeypatch.setattr(loader, "open_checkpoint", counting)

@@ -34,6 +34,7 @@ from specray.models.cpu_kernels import kernels_for
 from specray.models.fused_decode import fused_kernels, fused_layers, fused_layers_enabled
 from specray.models.mla import MLA_CPU_PAGE_SIZES, MLAttention, rotary_for
 from specray.models.moe import DeepSeekMoE, MoE
+from specray.models.quant_weight import set_weight
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -206,3 +207,5 @@ class CausalLM(nn.Module):
         self.norm.load(reader, "model.norm.weight")
         if not self.arch.tie_word_embeddings:
             self.lm_head.load(reader, "lm_head")
+        else:  # the embedding may now hold GGUF blocks: the head serves from them (quant_weight.py)
+            set_weight(self.lm_head, self.embed_tokens.weight)

@@ -10,6 +10,9 @@ the layer between them, visible here as in the torch path:
 | attention block        | x += delta; norm; qkv; RoPE + K/V store; paged attention; o | all_reduce(tp) |
 | MLP block              | x += o (+ o bias); norm; gate_up; silu * up; down          | all_reduce(tp) |
 
+Each layer's four weights are float32 or GGUF blocks (``quant_weight.py``), each with its type in
+the layer table; fused_layer.c runs small_gemm or the block GEMV on it, the same bits.
+
 The path serves float32 CPU steps where specray's kernels are built, every layer is dense
 (no MoE), has no q/k norm, and no sequence in the step is a whole prompt (prompts go to
 SDPA); rows up to small_gemm's limit; no captured layers (drafters conditioned on the
@@ -24,8 +27,9 @@ import torch
 
 from specray.models.attention import AttentionMetadata, step_plan
 from specray.models.cpu_kernels import CpuKernels, kernels_for
+from specray.models.quant_weight import QuantWeight
 
-NUM_LAYER_PTRS = 9  # the order of fused_layer.c's layer enum
+NUM_LAYER_PTRS = 13  # the order of fused_layer.c's layer enum: 9 addresses, then 4 weights' GGML types
 
 
 def fused_layers_enabled() -> bool:
@@ -33,8 +37,21 @@ def fused_layers_enabled() -> bool:
     return os.environ.get("SPECRAY_CPU_FUSED_LAYERS", "1").strip() != "0"
 
 
-def _addr(t: torch.Tensor | None) -> int:
+def _addr(t: torch.Tensor | QuantWeight | None) -> int:
+    if isinstance(t, QuantWeight):
+        return t.blocks.data_ptr()
     return t.data_ptr() if t is not None else 0
+
+
+def _ggml_type(weight: torch.Tensor | QuantWeight) -> int:
+    """fused_layer.c's weight type: 0 (GGML's F32) for a float32 tensor, else the blocks' type."""
+    return weight.ggml_type if isinstance(weight, QuantWeight) else 0
+
+
+def _is_served(kernels: CpuKernels, weight: torch.Tensor | QuantWeight) -> bool:
+    if isinstance(weight, QuantWeight):
+        return kernels.quant.has_kernel(weight.ggml_type)
+    return kernels_for(weight) is not None
 
 
 def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
@@ -47,9 +64,10 @@ def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
     rows = []
     for layer, pool in zip(model.layers, pools):
         attn, mlp = layer.self_attn, layer.mlp
+        weights = (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down.weight)
         rows.append([_addr(layer.input_layernorm.weight), _addr(attn.qkv.weight), _addr(attn.qkv.bias),
                      _addr(attn.o_proj.weight), _addr(attn.o_proj.bias), _addr(layer.post_attention_layernorm.weight),
-                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool)])
+                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool), *map(_ggml_type, weights)])
     table = torch.tensor(rows, dtype=torch.int64)
     model._fused_layer_table = (key, table)
     return table
@@ -65,9 +83,23 @@ def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: Atten
         return None
     if any(meta.causal and n == c for n, c in zip(meta.query_lens, meta.context_lens_list)):
         return None  # a whole prompt: SDPA serves it
-    layer = model.layers[0]
-    tensors = [layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, *pools[: arch.num_layers]]
-    return kernels if all(kernels_for(t) is not None for t in tensors) else None
+    if any(kernels_for(p) is None for p in pools[: arch.num_layers]):
+        return None
+    if not _weights_served(model, kernels):
+        return None
+    return kernels
+
+
+def _weights_served(model, kernels: CpuKernels) -> bool:
+    """Every layer's four weights are float32 tensors or blocks of a type with a kernel (checked
+    once per model: weights never change after load)."""
+    cached = getattr(model, "_fused_weights_served", None)
+    if cached is None:
+        cached = model._fused_weights_served = all(
+            _is_served(kernels, w) for layer in model.layers
+            for w in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight,
+                      layer.mlp.down.weight))
+    return cached
 
 
 def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

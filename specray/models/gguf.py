@@ -12,20 +12,30 @@ without knowing the format:
   so no rank holds a whole sharded layer in full precision;
 - llama.cpp's converter interleaves the two rotary halves of each q and k head of Llama
   checkpoints (its ``permute``); reading undoes it per head, so q/k shards must be whole heads.
+
+With ``kernel_types`` (CPU ranks in float32, ``quant_weight.py``), ``read_blocks`` gives a
+tensor's shard in its GGUF blocks instead (rows of blocks, or whole blocks of every row),
+un-permuted the same way; it answers None where the layer must take float32 from ``read``, and
+logs why once per reason.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader as _StockReader
 from gguf import quants
 
 from specray.models.arch import ModelArch
+from specray.models.quant_weight import QuantWeight
+
+log = logging.getLogger(__name__)
 
 ROW_CHUNK = 256  # rows dequantized at a time for a column slice
 
@@ -193,8 +203,13 @@ def unpermute_rows(rows: np.ndarray, head_dim: int) -> np.ndarray:
 class GGUFReader:
     """Tensors of a GGUF file in Hugging Face names, sliced and cast like ``CheckpointReader``."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device,
+                 kernel_types: frozenset[int] = frozenset()):
+        """``kernel_types``: the GGML types whose blocks ``read_blocks`` keeps (those with a
+        quantized CPU kernel here; empty: every tensor is dequantized at load)."""
         self.path = Path(path)
+        self.kernel_types = kernel_types
+        self._logged: set[str] = set()
         self.dtype, self.device = dtype, device
         self._reader = open_gguf(path)
         self.arch = arch_from_gguf(path, self._reader)
@@ -207,18 +222,57 @@ class GGUFReader:
         except ValueError:
             return False
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+    def _tensor(self, name: str):
         gguf_name = hf_to_gguf_name(name)
         tensor = self._tensors.get(gguf_name)
         if tensor is None:
             raise ValueError(f"GGUF file {str(self.path)!r} has no tensor {gguf_name!r} (for {name!r})")
-        values = dequantize(tensor, dim, start, end)
-        if self._is_permuted and gguf_name.split(".")[-2] in ("attn_q", "attn_k"):
+        return tensor
+
+    def _unpermuted(self, name: str, tensor, rows: np.ndarray, dim: int | None, start: int, end) -> np.ndarray:
+        if self._is_permuted and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
             head_dim = self.arch.head_dim
-            if dim == 0 and (start % head_dim or values.shape[0] % head_dim):
+            if dim == 0 and (start % head_dim or rows.shape[0] % head_dim):
                 raise ValueError(f"{name}: rows [{start}, {end}) are not whole heads of {head_dim}")
-            values = unpermute_rows(values, head_dim)
+            return unpermute_rows(rows, head_dim)
+        return rows
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        tensor = self._tensor(name)
+        values = self._unpermuted(name, tensor, dequantize(tensor, dim, start, end), dim, start, end)
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype)
+
+    def log_once(self, reason: str) -> None:
+        """Log ``reason`` (why a weight is float32 after all) once per load."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("%s", reason)
+
+    def read_blocks(self, name: str, dim: int | None = None, start: int = 0,
+                    end: int | None = None) -> QuantWeight | None:
+        """The 2-D weight ``name`` (or its rows / columns [start, end)) in its GGUF blocks; None
+        where it is float in the file, its type has no kernel, or the slice would split blocks."""
+        tensor = self._tensor(name)
+        qtype = tensor.tensor_type
+        if qtype in (QType.F32, QType.F16) or len(tensor.shape) != 2 or not self.kernel_types:
+            return None
+        if int(qtype) not in self.kernel_types:
+            self.log_once(f"no quantized CPU kernel for {qtype.name}: its tensors are dequantized to float32 at load")
+            return None
+        size, nbytes = GGML_QUANT_SIZES[qtype]
+        data, k = tensor.data, int(tensor.shape[0])
+        if dim == 1:
+            end = k if end is None else end
+            if start % size or end % size:
+                self.log_once(f"{qtype.name} row-parallel shards of {end - start} columns split blocks of {size}: "
+                               f"those weights are dequantized to float32 at load")
+                return None
+            data, k = data[:, start // size * nbytes:end // size * nbytes], end - start
+        elif dim == 0:
+            data = data[start:end]
+        blocks = self._unpermuted(name, tensor, np.ascontiguousarray(data), dim, start, end)
+        return QuantWeight(blocks=torch.from_numpy(np.array(blocks, dtype=np.uint8)), ggml_type=int(qtype),
+                           shape=(blocks.shape[0], k))
 
     def close(self) -> None:
         self._tensors.clear()

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
+from specray.models import cpu_kernels
 from specray.models.cpu_kernels import kernels_for
+from specray.models.quant_weight import QuantWeight, concat_rows, padded_rows, set_weight
+
+PANEL_ROWS = 2048  # a QuantWeight's output rows dequantized at a time past the GEMV's rows (prefill)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -40,9 +44,14 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 #   the weight into a per-thread buffer as it goes. BLAS repacks the whole weight on every
 #   call, which is why a oneDNN-packed copy used to be kept (docs/cpu-kernels.md).
 # Without the kernels (other dtypes, no compiler) torch's F.linear serves every shape.
+# A weight kept in its GGUF blocks (quant_weight.py) takes the same route with the same bits:
+# the block GEMV (small_gemm's sums on blocks dequantized in registers) at small_gemm's rows,
+# and beyond them this function on PANEL_ROWS rows of the weight dequantized at a time.
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, QuantWeight):
+        return _quant_linear(x, weight, bias)
     kernels = kernels_for(x, weight) if x.dim() == 2 else None
     if kernels is not None and x.shape[1] == weight.shape[1] and x.shape[0] >= 1:
         if bias is None or kernels_for(bias) is not None:
@@ -50,6 +59,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                 return kernels.small_gemm(x, weight, bias)
             return kernels.panel_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    kernels = kernels_for(rows)
+    if kernels is not None and 1 <= rows.shape[0] <= kernels.max_rows:
+        y = kernels.quant.gemv(rows, weight.blocks, weight.ggml_type, weight.shape, bias)
+    else:
+        n, k = weight.shape
+        y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
+        for start in range(0, n, PANEL_ROWS):
+            end = min(start + PANEL_ROWS, n)
+            if kernels is not None:  # the GEMV's dequantizer: gguf.quants.dequantize's values, ~50x faster
+                panel = kernels.quant.dequantize(weight.blocks[start:end], weight.ggml_type, (end - start, k))
+            else:
+                panel = weight.dequantize(start, end)
+            y[:, start:end] = linear(rows, panel, None if bias is None else bias[start:end])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _read_rows(reader, parts: list[tuple[str, int, int]]) -> QuantWeight | None:
+    """The fused rows [start, start + size) of each (name, start, size) part in GGUF blocks, or
+    None where the reader has no blocks for one of them or the parts' types differ."""
+    read_blocks = getattr(reader, "read_blocks", None)
+    if read_blocks is None:
+        return None
+    blocks = [read_blocks(f"{name}.weight", 0, start, start + size) for name, start, size in parts]
+    if any(b is None for b in blocks):
+        return None
+    if len({b.ggml_type for b in blocks}) != 1:  # llama.cpp's mixes quantize v (or up) apart
+        reader.log_once(f"fused weights of mixed types ({', '.join(b.type_name for b in blocks)}) are dequantized "
+                        f"to float32 at load")
+        return None
+    return concat_rows(blocks)
 
 
 class RMSNorm(nn.Module):
@@ -131,13 +174,22 @@ class ColumnParallelLinear(nn.Module):
 
     def load(self, reader, names: list[str]) -> None:
         """One checkpoint tensor per merged part, each split by rows."""
+        r = self.group.rank_in_group
+        self.load_rows(reader, [(name, r * shard, shard) for name, shard in zip(names, self.out_sizes)])
+
+    def load_rows(self, reader, parts: list[tuple[str, int, int]]) -> None:
+        """Rows [start, start + size) of each (name, start, size) part, one after another: in
+        GGUF blocks where the reader keeps them for every part in one type, else in float32."""
+        quantized = _read_rows(reader, parts)
+        if quantized is not None:
+            set_weight(self, quantized)
         offset = 0
-        for name, shard in zip(names, self.out_sizes):
-            start = self.group.rank_in_group * shard
-            self.weight[offset:offset + shard].copy_(reader.read(f"{name}.weight", 0, start, start + shard))
+        for name, start, size in parts:
+            if quantized is None:
+                self.weight[offset:offset + size].copy_(reader.read(f"{name}.weight", 0, start, start + size))
             if self.bias is not None:
-                self.bias[offset:offset + shard].copy_(reader.read(f"{name}.bias", 0, start, start + shard))
-            offset += shard
+                self.bias[offset:offset + size].copy_(reader.read(f"{name}.bias", 0, start, start + size))
+            offset += size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -156,13 +208,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def load(self, reader, names: list[str]) -> None:
         q, k, v = self.out_sizes
         r = self.group.rank_in_group
-        parts = [(names[0], r * q, q), (names[1], self.kv_start, k), (names[2], self.kv_start, v)]
-        offset = 0
-        for name, start, size in parts:
-            self.weight[offset:offset + size].copy_(reader.read(f"{name}.weight", 0, start, start + size))
-            if self.bias is not None:
-                self.bias[offset:offset + size].copy_(reader.read(f"{name}.bias", 0, start, start + size))
-            offset += size
+        self.load_rows(reader, [(names[0], r * q, q), (names[1], self.kv_start, k), (names[2], self.kv_start, v)])
 
 
 class RowParallelLinear(nn.Module):
@@ -184,7 +230,12 @@ class RowParallelLinear(nn.Module):
 
     def load(self, reader, name: str) -> None:
         start = self.group.rank_in_group * self.in_shard
-        self.weight.copy_(reader.read(f"{name}.weight", 1, start, start + self.in_shard))
+        read_blocks = getattr(reader, "read_blocks", None)  # whole blocks of K, where the shard splits none
+        quantized = read_blocks(f"{name}.weight", 1, start, start + self.in_shard) if read_blocks else None
+        if quantized is not None:
+            set_weight(self, quantized)
+        else:
+            self.weight.copy_(reader.read(f"{name}.weight", 1, start, start + self.in_shard))
         if self.bias is not None:
             self.bias.copy_(reader.read(f"{name}.bias"))
 
@@ -201,16 +252,31 @@ class VocabParallelEmbedding(nn.Module):
         self.end = min(self.start + self.shard, vocab_size)
         self.weight = _empty(self.shard, hidden, dtype=dtype, device=device)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not isinstance(weight, QuantWeight):
+            return F.embedding(ids, weight)
+        kernels = cpu_kernels.load_cpu_kernels()  # only the rows looked up are dequantized
+        if kernels is None:
+            return weight.rows(ids).reshape(*ids.shape, weight.shape[1])
+        rows = weight.blocks[ids.reshape(-1)]
+        return kernels.quant.dequantize(rows, weight.ggml_type, (rows.shape[0], weight.shape[1])).reshape(
+            *ids.shape, weight.shape[1])
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0.0)
         return self.group.all_reduce(out)
 
     def load(self, reader, name: str) -> None:
+        quantized = _read_rows(reader, [(name, self.start, self.end - self.start)])
+        if quantized is not None:  # the padding rows are zero blocks, as they are zeros in float32
+            set_weight(self, padded_rows(quantized, self.shard))
+            return
         self.weight.zero_()
         self.weight[: self.end - self.start].copy_(reader.read(f"{name}.weight", 0, self.start, self.end))
 

@@ -18,6 +18,7 @@ from specray.models.arch import ModelArch, read_arch
 from specray.models.attention import paged_attention
 from specray.models.decoder import CausalLM
 from specray.models.gguf import GGUFReader, arch_from_gguf, is_gguf
+from specray.models.quant_weight import kernel_types
 
 
 def read_model_arch(path: str | Path) -> ModelArch:
@@ -25,10 +26,14 @@ def read_model_arch(path: str | Path) -> ModelArch:
     return arch_from_gguf(path) if is_gguf(path) else read_arch(path)
 
 
-def open_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device):
+def open_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device,
+                    kernel_types: frozenset[int] = frozenset()):
     """A reader with ``arch``, ``has``, ``read(name, dim, start, end)`` and ``close``, in Hugging Face
-    tensor names whatever the format."""
-    return GGUFReader(path, dtype, device) if is_gguf(path) else CheckpointReader(path, dtype, device)
+    tensor names whatever the format; a GGUF reader also keeps the blocks of ``kernel_types``
+    (``read_blocks``)."""
+    if is_gguf(path):
+        return GGUFReader(path, dtype, device, kernel_types)
+    return CheckpointReader(path, dtype, device)
 
 
 class CheckpointReader:
@@ -91,10 +96,13 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def load_model(path: str | Path, ctx, dtype: str, kernel=paged_attention) -> CausalLM:
-    """This rank's shards of the model at ``path`` (a checkpoint directory or a GGUF file)."""
+def load_model(path: str | Path, ctx, dtype: str, kernel=paged_attention, keep_blocks: bool = True) -> CausalLM:
+    """This rank's shards of the model at ``path`` (a checkpoint directory or a GGUF file).
+    ``keep_blocks``: GGUF weights stay in their blocks where this rank has kernels for them
+    (``quant_weight.kernel_types``); False dequantizes every tensor (training needs float32)."""
     torch_dtype = getattr(torch, dtype)
-    reader = open_checkpoint(path, torch_dtype, ctx.device)
+    types = kernel_types(torch_dtype, ctx.device) if keep_blocks and is_gguf(path) else frozenset()
+    reader = open_checkpoint(path, torch_dtype, ctx.device, types)
     model = CausalLM(reader.arch, ctx, torch_dtype, kernel)
     model.load(reader)
     reader.close()

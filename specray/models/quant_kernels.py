@@ -3,8 +3,9 @@ float32 rows of x, with W kept in its GGUF blocks (a uint8 tensor of raw blocks,
 as ``GGUFReader`` gives a tensor's data) and dequantized in registers.
 
 The contract is bit-equality: the result is ``small_gemm``'s on ``gguf.quants.dequantize``'s
-float32 weight, at every row and thread count (``tests/test_quant_gemv.py``). Not yet used
-by the model: the loader still dequantizes at load (issue 28 wires it in).
+float32 weight, at every row and thread count (``tests/test_quant_gemv.py``). The model runs it
+on the weights the loader keeps in their blocks (``quant_weight.py``; ``layers.linear`` and,
+inside the fused decode step, ``fused_layer.c``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class QuantGemv:
         self._format = lib.specray_quant_format
         self._format.argtypes = [cint, ctypes.POINTER(cint), ctypes.POINTER(cint)]
         self._format.restype = cint
+        self._dequantize = lib.specray_quant_dequantize
+        self._dequantize.argtypes = [cint, ptr, ptr, i64, i64]
+        self._dequantize.restype = cint
         self.max_rows = lib.specray_quant_max_rows()
         self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
 
@@ -64,7 +68,27 @@ class QuantGemv:
             raise RuntimeError(f"specray_quant_gemv returned {rc} for {_type_name(ggml_type)} {shape}")
         return y
 
+    def dequantize(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The float32 [n, k] weight ``blocks`` hold: ``gguf.quants.dequantize``'s values, from the
+        GEMV's own dequantizer, on torch's threads (prefill's panels)."""
+        n, k = shape
+        self._check_blocks(blocks, ggml_type, n, k)
+        out = torch.empty(n, k, dtype=torch.float32)
+        rc = self._dequantize(int(ggml_type), blocks.data_ptr(), out.data_ptr(), n, k)
+        if rc:  # _check_blocks rules these out
+            raise RuntimeError(f"specray_quant_dequantize returned {rc} for {_type_name(ggml_type)} {shape}")
+        return out
+
     def _check(self, x, blocks, ggml_type, n, k, bias) -> None:
+        self._check_blocks(blocks, ggml_type, n, k)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be a float32 CPU tensor [rows, {k}], not {x.dtype} {tuple(x.shape)}")
+        if not 1 <= x.shape[0] <= self.max_rows:
+            raise ValueError(f"the quantized GEMV takes 1..{self.max_rows} rows of x, not {x.shape[0]}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 [{n}], not {bias.dtype} {tuple(bias.shape)}")
+
+    def _check_blocks(self, blocks, ggml_type, n, k) -> None:
         layout = self.block_layout(ggml_type)
         if layout is None:
             raise ValueError(f"no quantized CPU kernel for {_type_name(ggml_type)}")
@@ -78,9 +102,3 @@ class QuantGemv:
         if blocks.numel() != expected:
             raise ValueError(f"{_type_name(ggml_type)} weight {(n, k)} takes {expected} bytes of blocks, "
                              f"not {blocks.numel()}")
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be a float32 CPU tensor [rows, {k}], not {x.dtype} {tuple(x.shape)}")
-        if not 1 <= x.shape[0] <= self.max_rows:
-            raise ValueError(f"the quantized GEMV takes 1..{self.max_rows} rows of x, not {x.shape[0]}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous float32 [{n}], not {bias.dtype} {tuple(bias.shape)}")

@@ -29,7 +29,7 @@ def check_feature_layers(layers: tuple[int, ...], num_target_layers: int, method
 class TargetFeatures:
     def __init__(self, model_path, feature_layers: tuple[int, ...], ctx: DistContext | None = None):
         self.ctx = ctx or DistContext.single()
-        self.model: CausalLM = load_model(model_path, self.ctx, "float32")
+        self.model: CausalLM = load_model(model_path, self.ctx, "float32", keep_blocks=False)  # its weights are read as tensors
         self.arch = self.model.arch
         self.feature_layers = tuple(feature_layers)
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -10,12 +10,18 @@
  * and specray_dense_layers runs every layer with both blocks in one call where there is no
  * all-reduce (a tensor-parallel group of one). The steps are the kernels of small_gemm.c and
  * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
+ *
+ * Each of the four weights has a GGML type in the layer table: 0 (F32) runs small_gemm on a
+ * float32 weight, a quantized type runs quant_gemv.c on its blocks, which gives small_gemm's
+ * bits on the dequantized weight, so a model kept in GGUF blocks takes this path unchanged.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 void specray_rms_norm(const float *x, const float *weight, float *y, int64_t rows, int64_t dim, float eps);
 int specray_small_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads);
 void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
                            int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
                            const int64_t *slots, int64_t block_size);
@@ -25,8 +31,9 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
                              float scale, int causal, float *out);
 
-/* One layer's tensors, as addresses (NULL: no such bias). */
-enum { INPUT_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, DOWN_W, POOL, NUM_LAYER_PTRS };
+/* One layer's tensors, as addresses (NULL: no such bias), then its weights' GGML types. */
+enum { INPUT_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, DOWN_W, POOL,
+       QKV_T, O_T, GATE_UP_T, DOWN_T, NUM_LAYER_PTRS };
 /* The step's shape. */
 enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SEQS, WIDTH, CAUSAL, NUM_SHAPE };
 /* The step's metadata, as addresses: cos, sin [ROWS, HEAD_DIM] float; the rest int64. */
@@ -60,6 +67,13 @@ int specray_profile_read(double *out, int reset) {
 #define TOCK(what) ((void)0)
 #endif
 
+/* x W^T (+ bias) for W of GGML type `type` (0: float32); non-zero past either kernel's rows. */
+static int gemm(int64_t type, const float *x, int64_t w, const float *bias, float *y, int64_t M, int64_t N,
+                int64_t K) {
+    if (type == 0) return specray_small_gemm(x, F(w), bias, y, M, N, K);
+    return specray_quant_gemv((int)type, x, (const uint8_t *)(intptr_t)w, bias, y, M, N, K, 0);
+}
+
 static void add_delta(float *x, const float *delta, const float *bias, int64_t rows, int64_t hidden) {
     if (!delta) return;
     for (int64_t r = 0; r < rows; ++r)
@@ -67,7 +81,7 @@ static void add_delta(float *x, const float *delta, const float *bias, int64_t r
             x[r * hidden + i] += bias ? delta[r * hidden + i] + bias[i] : delta[r * hidden + i];
 }
 
-/* Returns 0, -1 when scratch could not be had, -2 when the rows are past small_gemm's limit. */
+/* Returns 0, -1 when scratch could not be had, -2 when the rows are past the GEMVs' limit. */
 int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
                             float scale, float *x, const float *delta, const float *delta_bias, float *out) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN], heads = shape[HEADS], kv = shape[KV_HEADS];
@@ -80,7 +94,7 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    int rc = specray_small_gemm(h, F(layer[QKV_W]), F(layer[QKV_B]), qkv, M, qkv_size, H);
+    int rc = gemm(layer[QKV_T], h, layer[QKV_W], F(layer[QKV_B]), qkv, M, qkv_size, H);
     TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
@@ -92,7 +106,7 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
                                 (const int64_t *)step[Q_STARTS], shape[NUM_SEQS], heads, kv, shape[BLOCK_SIZE],
                                 dim, scale, (int)shape[CAUSAL], o);
         TOCK(P_ATTN);
-        rc = specray_small_gemm(o, F(layer[O_W]), NULL, out, M, H, heads * dim);
+        rc = gemm(layer[O_T], o, layer[O_W], NULL, out, M, H, heads * dim);
         TOCK(P_O);
     }
     free(h);
@@ -110,12 +124,12 @@ int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, flo
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[POST_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    int rc = specray_small_gemm(h, F(layer[GATE_UP_W]), NULL, gate_up, M, 2 * I, H);
+    int rc = gemm(layer[GATE_UP_T], h, layer[GATE_UP_W], NULL, gate_up, M, 2 * I, H);
     TOCK(P_GATE_UP);
     if (!rc) {
         specray_silu_mul(gate_up, act, M, I);
         TOCK(P_SILU);
-        rc = specray_small_gemm(act, F(layer[DOWN_W]), NULL, out, M, H, I);
+        rc = gemm(layer[DOWN_T], act, layer[DOWN_W], NULL, out, M, H, I);
         TOCK(P_DOWN);
     }
     free(h);

@@ -173,3 +173,46 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
     DRIVERS[f](x, w, bias, y, M, N, K, threads);
     return 0;
 }
+
+/* Rows [0, N) of W as float32 (out: N x K, row-major): the values gguf.quants.dequantize gives,
+ * from the same dequantize() the GEMV runs (prefill's weight panels, quant_weight.py), the
+ * rows split over threads. Returns 0; -2 for a type without a kernel, -3 when K is not a
+ * multiple of the block size. */
+#if defined(__AVX512F__)
+#define DEQUANTIZE_BLOCK(FMT, b, o)          \
+    do {                                     \
+        vec lo, hi;                          \
+        dequantize(FMT, b, &lo, &hi);        \
+        memcpy(o, &lo, sizeof lo);           \
+        memcpy(o + LANES, &hi, sizeof hi);   \
+    } while (0)
+#else
+#define DEQUANTIZE_BLOCK(FMT, b, o)                                              \
+    do {                                                                         \
+        half_vec q[4];                                                           \
+        dequantize8(FMT, b, q);                                                  \
+        for (int i = 0; i < 4; ++i) memcpy(o + i * LANES / 2, &q[i], sizeof q[i]); \
+    } while (0)
+#endif
+#define DEQUANTIZER(FMT)                                                                           \
+    static void dequantize_##FMT(const uint8_t *w, float *out, int64_t N, int64_t K) {             \
+        const int64_t blocks = K / BLOCK_SIZE, bytes = FORMATS[FMT].block_bytes;                   \
+        _Pragma("omp parallel for schedule(static)")                                               \
+        for (int64_t n = 0; n < N; ++n)                                                            \
+            for (int64_t b = 0; b < blocks; ++b)                                                   \
+                DEQUANTIZE_BLOCK(FMT, w + (n * blocks + b) * bytes, out + n * K + b * BLOCK_SIZE); \
+    }
+DEQUANTIZER(Q8_0) DEQUANTIZER(Q4_0) DEQUANTIZER(Q4_1) DEQUANTIZER(Q5_0) DEQUANTIZER(Q5_1)
+
+typedef void (*dequantize_fn)(const uint8_t *, float *, int64_t, int64_t);
+static const dequantize_fn DEQUANTIZERS[] = {[Q8_0] = dequantize_Q8_0, [Q4_0] = dequantize_Q4_0,
+                                             [Q4_1] = dequantize_Q4_1, [Q5_0] = dequantize_Q5_0,
+                                             [Q5_1] = dequantize_Q5_1};
+
+int specray_quant_dequantize(int ggml_type, const uint8_t *w, float *out, int64_t N, int64_t K) {
+    const int f = find_format(ggml_type);
+    if (f < 0) return -2;
+    if (K % BLOCK_SIZE) return -3;
+    DEQUANTIZERS[f](w, out, N, K);
+    return 0;
+}

@@ -1,0 +1,142 @@
+"""A weight kept in its GGUF blocks on a CPU rank, and the rule for when the loader keeps one.
+
+``QuantWeight`` is what a linear layer, the embedding and the LM head hold instead of a float32
+copy: the raw blocks of its rows (a uint8 tensor, one row of the weight per row of bytes, as
+``gguf.GGUFReader`` lays a tensor out), the GGML type and the (out_features, in_features)
+shape. The maths stays the float32 model's: ``linear`` runs the block GEMV of
+``quant_kernels.py`` (bitwise equal to ``small_gemm`` on the dequantized weight) at 1-32 rows
+and dequantizes a panel of rows at a time into the float32 kernels beyond; an embedding row is
+dequantized on lookup. Both dequantize with the GEMV's own code, which gives the values of the
+gguf package's dequantizer (the one the float32 path loads with; ``dequantize`` and ``rows``
+below call that one, for ranks without the kernels).
+
+Sharding works on whole rows and whole blocks, so it never splits a block:
+
+| weight kind              | shard                                                | needs                   |
+|--------------------------|------------------------------------------------------|-------------------------|
+| column-parallel (q/k/v,  | rows of blocks (q/k rows un-permuted per head first) | -                       |
+| gate/up, embedding, head)| fused parts: rows of each part concatenated          | one type for all parts  |
+| row-parallel (o, down)   | the same whole blocks of K of every row              | K / tp % block size == 0|
+
+``SPECRAY_CPU_QUANT`` picks the mode: unset or ``exact`` keeps the blocks, ``0`` dequantizes
+at load as before. A type without a kernel, or a shard that would split blocks, is loaded as
+float32 with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from torch import nn
+
+from specray.models import cpu_kernels
+
+QUANT_MODES = ("exact", "0")
+
+
+def quant_mode() -> str:
+    """``SPECRAY_CPU_QUANT``: "exact" (the default: keep GGUF blocks on CPU ranks) or "0"
+    (dequantize at load)."""
+    mode = os.environ.get("SPECRAY_CPU_QUANT", "exact").strip() or "exact"
+    if mode not in QUANT_MODES:
+        raise ValueError(f"SPECRAY_CPU_QUANT must be one of {QUANT_MODES} (unset means exact), not {mode!r}")
+    return mode
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class QuantWeight:
+    blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, on the CPU
+    ggml_type: int
+    shape: tuple[int, int]  # (out_features, in_features), as the float32 weight would be
+
+    def __post_init__(self):
+        name = GGMLQuantizationType(self.ggml_type).name
+        size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        n, k = self.shape
+        if k % size:
+            raise ValueError(f"{name} weight {self.shape}: in_features must be a multiple of the block size {size}")
+        expected = (n, k // size * nbytes)
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != expected or not self.blocks.is_contiguous():
+            raise ValueError(f"{name} weight {self.shape} takes contiguous uint8 blocks of shape {expected}, "
+                             f"not {self.blocks.dtype} {tuple(self.blocks.shape)}")
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """float32 rows [start, end) of the weight, as the float32 path loads them."""
+        return _dequantize(self.blocks[start:end], self.ggml_type)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``ids`` (an embedding lookup), [len(ids), in_features]."""
+        return _dequantize(self.blocks[ids.reshape(-1)], self.ggml_type)
+
+
+def _dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    values = quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Fused projections (q/k/v, gate/up): the parts' rows one after another, one type for all."""
+    types = {p.ggml_type for p in parts}
+    widths = {p.shape[1] for p in parts}
+    if len(types) != 1 or len(widths) != 1:
+        raise ValueError(f"fused parts must share one type and in_features, not {[p.type_name for p in parts]} "
+                         f"and {sorted(widths)}")
+    blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+    return QuantWeight(blocks=blocks, ggml_type=parts[0].ggml_type,
+                       shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+def padded_rows(weight: QuantWeight, rows: int) -> QuantWeight:
+    """``weight`` with zero blocks appended up to ``rows`` rows (a vocab shard's padding: zero
+    bytes are d = 0 in every legacy format, so the rows are zero, as the float32 padding is)."""
+    missing = rows - weight.shape[0]
+    if missing <= 0:
+        return weight
+    pad = torch.zeros(missing, weight.blocks.shape[1], dtype=torch.uint8)
+    return QuantWeight(blocks=torch.cat([weight.blocks, pad]), ggml_type=weight.ggml_type,
+                       shape=(rows, weight.shape[1]))
+
+
+def set_weight(module: nn.Module, weight: torch.Tensor | QuantWeight) -> None:
+    """Replace ``module.weight`` (a Parameter) with a QuantWeight, or back; the float32
+    parameter allocated at construction is freed."""
+    if "weight" in module._parameters:
+        del module.weight
+    if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter):
+        weight = nn.Parameter(weight, requires_grad=False)
+    module.weight = weight
+
+
+def quantized_weights(model: nn.Module) -> list[QuantWeight]:
+    """Every QuantWeight the model's modules hold, each once (a tied head shares the embedding's)."""
+    seen: dict[int, QuantWeight] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantWeight):
+                seen[id(value)] = value
+    return list(seen.values())
+
+
+def kernel_types(dtype: torch.dtype, device: torch.device) -> frozenset[int]:
+    """The GGML types whose blocks a rank loading in ``dtype`` on ``device`` keeps: those the
+    quantized CPU kernels take, on float32 CPU ranks in the exact mode; none elsewhere (GPUs,
+    other dtypes, ``SPECRAY_CPU_QUANT=0``, no kernels built: every tensor dequantized at load)."""
+    if quant_mode() == "0" or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return frozenset()
+    kernels = cpu_kernels.load_cpu_kernels()
+    if kernels is None:
+        return frozenset()
+    return frozenset(int(t) for t in GGMLQuantizationType if kernels.quant.has_kernel(int(t)))
+

@@ -1,0 +1,267 @@
+"""SmolLM2 from its shipped Q4_1 file with the weights kept in their GGUF blocks (the default on
+CPU ranks) against the same file dequantized at load (``SPECRAY_CPU_QUANT=0``): the same bits.
+
+No tolerance anywhere: every GGUF dequantization is exact in float32 but for one rounding the
+block GEMV repeats, and the GEMV sums in small_gemm's order (tests/test_quant_gemv.py), so the
+two models compute the same float32 operations in the same order. Also here: what a rank holds
+(the file's bytes for its shard, not 5x them) and the float32 fallback of a type without a kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+from gguf_files import write_gguf
+from kernel_build import built_kernels
+from test_quant_gemv import LAYOUTS, random_blocks
+from test_smollm2 import QUESTIONS
+from test_weight_memory import RankOf, held_bytes
+
+from checkpoints import make_checkpoint
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
+from specray.comm.context import DistContext
+from specray.launch.procs import RankFailure
+from specray.models import cpu_kernels, decoder, fused_decode
+from specray.models.attention import build_metadata
+from specray.models.gguf import open_gguf
+from specray.models.loader import load_model
+from specray.models.presets import resolve_model
+from specray.models.quant_weight import QuantWeight, quant_mode, quantized_weights
+
+NEW_TOKENS = 64
+BOUND = 1.1
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return built_kernels()
+
+
+def _load(path, quant: str, monkeypatch, ctx=None):
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", quant)
+    return load_model(path, ctx or DistContext.single(), "float32")
+
+
+@pytest.fixture(scope="module")
+def models(kernels):
+    """(blocks, float32) models of the shipped file, one rank."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+        path = resolve_model("smollm2-135m")
+        return _load(path, "exact", mp), _load(path, "0", mp)
+
+
+def _step(model, pools, tables, block_size, starts, query_lens, ids) -> torch.Tensor:
+    positions, meta = build_metadata(tables, block_size, starts, query_lens, torch.device("cpu"))
+    with torch.inference_mode():
+        return model.logits(model(ids, positions, pools, meta))
+
+
+def test_the_shipped_file_stays_in_its_blocks(models):
+    quant, dense = models
+    weights = quantized_weights(quant)
+    # 30 layers x (qkv, o, gate_up, down) in Q4_1, and the Q8_0 embedding the tied head serves from
+    assert sorted(w.type_name for w in weights) == ["Q4_1"] * 120 + ["Q8_0"]
+    assert quant.lm_head.weight is quant.embed_tokens.weight
+    assert quantized_weights(dense) == [] and quant_mode() == "exact"
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_logits_equal_the_float32_path(models, kernels, block_size, monkeypatch):
+    # prefill (SDPA, the head's 40+ rows: panels dequantized), then decode and verify steps of
+    # the fused C path, then the same steps module by module: every logit, bit for bit
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    calls = []
+    real = fused_decode.fused_layers
+    monkeypatch.setattr(decoder, "fused_layers", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(block_size)
+    prompt_lens = [45, 70]
+    pages = [-(-(n + 16) // block_size) for n in prompt_lens]
+    tables = [list(range(1, 1 + pages[0])), list(range(1 + pages[0], 1 + sum(pages)))]
+    steps, starts = [], [0, 0]
+    for query_lens in (prompt_lens, [1, 1], [4, 6], [1, 3]):  # a prefill, a decode step, two verify steps
+        steps.append((list(starts), query_lens, torch.randint(0, 49152, (sum(query_lens),), generator=gen)))
+        starts = [s + n for s, n in zip(starts, query_lens)]
+    for is_fused in (True, False):
+        results = []
+        for model in models:
+            model.is_fused = is_fused
+            pools = [torch.zeros(1 + sum(pages), 2, model.num_local_kv_heads, block_size, model.arch.head_dim)
+                     for _ in range(model.arch.num_layers)]
+            results.append([_step(model, pools, tables, block_size, *step) for step in steps])
+            model.is_fused = True
+        for i, (ours, theirs) in enumerate(zip(*results)):
+            assert ours.abs().max() > 10 and torch.equal(ours, theirs), (is_fused, i)
+    assert len(calls) == 2 * 3  # the decode and verify steps took the fused path on both models
+
+
+def test_a_verify_row_gets_the_decode_steps_bits(models, kernels, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    quant = models[0]
+    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
+    pools = [torch.zeros(6, 2, quant.num_local_kv_heads, block_size, 64) for _ in range(quant.arch.num_layers)]
+    _step(quant, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
+    ids = torch.randint(0, 49152, (8,), generator=gen)
+    decode = _step(quant, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
+    for rows in (2, 4, 6, 8):
+        verify = _step(quant, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])
+        assert torch.equal(verify[:1], decode), rows
+
+
+def test_the_head_reads_the_embeddings_blocks(models, kernels, monkeypatch):
+    # mutation check: were the head served from a float32 copy, changing the embedding's blocks
+    # would leave the logits as they are
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    head = models[0].lm_head
+    hidden = torch.randn(1, 576, generator=torch.Generator().manual_seed(0))
+    before = head(hidden)
+    token = int(before.argmax())
+    saved = head.weight.blocks[token].clone()
+    try:
+        head.weight.blocks[token, 2:34] = 0  # the first block's int8 quants
+        after = head(hidden)
+    finally:
+        head.weight.blocks[token] = saved
+    assert after[0, token] != before[0, token]
+    assert torch.equal(after[0, :token], before[0, :token]) and torch.equal(head(hidden), before)
+
+
+def _file_shard_bytes(path, tp: int) -> int:
+    """The file's tensor bytes one rank of tp holds: every matrix split tp ways (SmolLM2's 3 kv
+    heads and 49152 tokens split evenly at tp 3), the norms whole."""
+    return sum(t.n_bytes // tp if len(t.shape) == 2 else t.n_bytes for t in open_gguf(path).tensors)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_a_rank_holds_the_files_bytes_for_its_shard(kernels, tp, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    path = resolve_model("smollm2-135m")
+    expected = _file_shard_bytes(path, tp)
+    for rank in range(tp):
+        group = RankOf(tp, rank)
+        ctx = DistContext.single() if tp == 1 else DistContext(tp=group, moe_tp=group)
+        model = _load(path, "exact", monkeypatch, ctx)
+        held = held_bytes(model)
+        assert expected <= held <= BOUND * expected, (
+            f"rank {rank}/{tp} holds {held / 2**20:.1f} MiB for {expected / 2**20:.1f} MiB of the file")
+        del model
+    assert 90 * 2**20 < _file_shard_bytes(path, 1) < 110 * 2**20  # the shipped file: about 101 MiB at tp 1
+
+
+def _generate(tp: int, block_size: int, quant: str, monkeypatch):
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", quant)  # the mp launcher forwards SPECRAY_* to its ranks
+    parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local")
+    config = EngineConfig(model="smollm2-135m", parallel=parallel,
+                          kv=KVConfig(tokens_per_block=block_size, capacity_tokens=4096))
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=5, prompt_logprobs=2)
+    with LLM(config) as llm:
+        outs = llm.generate(QUESTIONS[:4], params)
+    return [(o.token_ids, [(e.token_id, e.logprob, e.top) for e in o.logprobs],
+             [(e.token_id, e.logprob, e.top) for e in o.prompt_logprobs[1:]]) for o in outs]
+
+
+@pytest.mark.parametrize("tp, block_size", [(1, 16), (1, 64), (3, 16), (3, 64)])
+def test_greedy_tokens_and_logprobs_equal_the_float32_path(tp, block_size, monkeypatch):
+    # the engine end to end, TP 3 included (each rank's shard of blocks, the all-reduces between):
+    # 64 greedy tokens and the log-probabilities of every prompt and output position, exactly
+    quant = _generate(tp, block_size, "exact", monkeypatch)
+    dense = _generate(tp, block_size, "0", monkeypatch)
+    assert any(len(tokens) == NEW_TOKENS for tokens, _, _ in dense)
+    assert quant == dense
+
+
+def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.ffn_down.weight": QType.Q4_K for i in range(2)}  # no quantized kernel (yet)
+    types.update({"blk.0.ffn_up.weight": QType.Q8_0, "blk.0.ffn_gate.weight": QType.Q8_0,
+                  "blk.1.attn_output.weight": QType.Q4_1, "token_embd.weight": QType.Q4_0,
+                  "output.weight": QType.Q8_0, "blk.1.attn_q.weight": QType.Q4_1, "blk.1.attn_k.weight": QType.Q4_1,
+                  "blk.1.attn_v.weight": QType.Q8_0})  # q/k/v of two types: one fused weight, float32
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
+        quant = _load(path, "exact", monkeypatch)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no quantized CPU kernel for Q4_K: its tensors are dequantized to float32 at load",
+        "fused weights of mixed types (Q4_1, Q4_1, Q8_0) are dequantized to float32 at load"]
+    assert isinstance(quant.layers[1].self_attn.qkv.weight, torch.Tensor)
+    assert isinstance(quant.layers[0].mlp.down.weight, torch.Tensor)
+    assert isinstance(quant.layers[0].mlp.gate_up.weight, QuantWeight)
+    assert isinstance(quant.layers[1].self_attn.o_proj.weight, QuantWeight)
+    assert quant.embed_tokens.weight.type_name == "Q4_0" and quant.lm_head.weight.type_name == "Q8_0"
+    dense = _load(path, "0", monkeypatch)
+    ids, block_size = torch.tensor([3, 14, 15, 92, 65, 35]), 16
+    outs = []
+    for model in (quant, dense):  # a prompt of 5, then a decode step: the module and the fused path
+        pools = [torch.zeros(2, 2, 2, block_size, 64) for _ in range(2)]
+        outs.append([_step(model, pools, [[1]], block_size, [0], [5], ids[:5]),
+                     _step(model, pools, [[1]], block_size, [5], [1], ids[5:])])
+    for ours, theirs in zip(*outs):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_bad_quant_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", "fast")
+    with pytest.raises(ValueError, match=r"SPECRAY_CPU_QUANT must be one of \('exact', '0'\).*'fast'"):
+        quant_mode()
+
+
+def test_the_mode_reaches_the_ranks(monkeypatch):
+    # the TP 3 comparison above means something only if the ranks the mp launcher starts read the
+    # driver's SPECRAY_CPU_QUANT: a bad value there must stop start-up with the mode's error
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", "bogus")
+    config = EngineConfig(model="smollm2-135m", parallel=ParallelConfig(tp_size=3, launcher="mp"),
+                          kv=KVConfig(tokens_per_block=16, capacity_tokens=1024))
+    rule = r"rank \d \(pid \d+\) died.*reported ValueError: SPECRAY_CPU_QUANT must be one of"
+    with pytest.raises(RankFailure, match=rule):
+        LLM(config)
+
+
+def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monkeypatch):
+    # TP 2 by hand (loading runs no collective): q/k/v by heads (q/k un-permuted on rows of
+    # blocks), gate/up by rows, o by whole blocks of K; down's K shard (96 / 2 = 48) would split
+    # blocks of 32, so down is float32 with one log line
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types={
+        f"blk.{i}.{name}.weight": QType.Q8_0 for i in range(2)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")})
+    for rank in range(2):
+        ctx = DistContext(tp=RankOf(2, rank), moe_tp=RankOf(2, rank))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
+            quant = _load(path, "exact", monkeypatch, ctx)
+        assert [r.getMessage() for r in caplog.records] == ["Q8_0 row-parallel shards of 48 columns split blocks "
+                                                            "of 32: those weights are dequantized to float32 at load"]
+        dense = _load(path, "0", monkeypatch, ctx)
+        for ours, theirs in zip(quant.layers, dense.layers):
+            for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
+                weight = ours.get_submodule(name).weight
+                assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
+                                                                       theirs.get_submodule(name).weight), name
+            assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+
+
+@pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)
+def test_the_panel_dequantizer_gives_the_gguf_packages_values(kernels, ggml_type):
+    # prefill dequantizes panels with the GEMV's own dequantizer: it must be gguf.quants.dequantize,
+    # bit for bit, on the GEMV test's blocks (every nibble, zero, subnormal and negative scales)
+    for n, k in ((1, 32), (7, 96), (33, 576)):
+        blocks = random_blocks(ggml_type, n, k, seed=n)
+        ours = kernels.quant.dequantize(torch.from_numpy(blocks.reshape(n, -1)), int(ggml_type), (n, k))
+        theirs = torch.from_numpy(quants.dequantize(blocks.reshape(n, -1), ggml_type).astype(np.float32))
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)  # -0.0 too
+
+
+def test_without_the_kernels_the_file_is_dequantized_at_load(monkeypatch):
+    # no C compiler (or SPECRAY_CPU_KERNELS=0): torch's ops serve, on float32 weights
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    model = _load(resolve_model("smollm2-135m"), "exact", monkeypatch)
+    assert quantized_weights(model) == [] and model.layers[0].mlp.down.weight.dtype == torch.float32
