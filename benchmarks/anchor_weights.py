@@ -1,7 +1,8 @@
-"""The F32 GGUF both engines of ``bench_vs_llamacpp`` load: the built-in model's file
-requantized by llama.cpp itself, or a random-weight preset written as llama.cpp's converter
-writes it. Made once, under ``$SPECRAY_CACHE/anchors/``, each under a temporary name then
-renamed, so an interrupted run leaves no half-written file."""
+"""The GGUF both engines of ``bench_vs_llamacpp`` load (``--weights``): the built-in model's
+file as it ships (``shipped``, Q4_1 with a Q8_0 embedding) or requantized by llama.cpp itself
+(``q8_0``, ``bf16``, ``f32``), or a random-weight preset written as llama.cpp's converter writes
+it (F32) and requantized from there. Made once, under ``$SPECRAY_CACHE/anchors/``, each under a
+temporary name then renamed, so an interrupted run leaves no half-written file."""
 
 from __future__ import annotations
 
@@ -16,19 +17,25 @@ from specray.models.gguf import hf_to_gguf_name
 from specray.models.presets import resolve_model
 
 
-def requantize_f32(llama_cpp, source: Path, threads: int) -> Path:
-    """``source`` requantized to F32 by llama.cpp, once; written under a temporary name and
-    renamed, so an interrupted run leaves no half-written file."""
-    target = cache_root() / "anchors" / f"{source.stem}.F32.gguf"
+WEIGHTS = {"f32": "LLAMA_FTYPE_ALL_F32", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "bf16": "LLAMA_FTYPE_MOSTLY_BF16"}
+"""``--weights`` other than ``shipped``: llama.cpp's file type each is requantized to."""
+
+
+def requantize(llama_cpp, source: Path, weights: str, threads: int) -> Path:
+    """``source`` requantized by llama.cpp to ``weights`` (a key of WEIGHTS), once."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r} must be one of {sorted(WEIGHTS)} to requantize")
+    stem = source.name.removesuffix(".gguf").removesuffix(".F32")
+    target = cache_root() / "anchors" / f"{stem}.{weights.upper()}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, threads
+    params.ftype, params.allow_requantize, params.nthread = getattr(llama_cpp, WEIGHTS[weights]), True, threads
     if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize could not requantize {source} to F32")
+        raise RuntimeError(f"llama_model_quantize could not requantize {source} to {weights}")
     os.replace(tmp, target)
     return target
 
@@ -75,14 +82,17 @@ def write_preset_gguf(checkpoint: Path, target: Path) -> Path:
     return target
 
 
-def anchor_weights(llama_cpp, model: str, threads: int) -> tuple[Path, Path]:
-    """(the F32 GGUF both engines load, what transformers loads: that GGUF or the preset's directory)."""
+def anchor_weights(llama_cpp, model: str, threads: int, weights: str = "f32") -> tuple[Path, Path]:
+    """(the GGUF both engines load, what transformers loads: that GGUF or the preset's directory)."""
     source = resolve_model(model)
     if source.suffix == ".gguf":
-        path = requantize_f32(llama_cpp, source, threads)
+        path = source if weights == "shipped" else requantize(llama_cpp, source, weights, threads)
         return path, path
-    target = cache_root() / "anchors" / f"{source.name}.F32.gguf"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_preset_gguf(source, target)
-    return target, source
+    if weights == "shipped":
+        raise ValueError(f"--weights shipped needs a model that ships as a GGUF file; {model} is a preset "
+                         f"(written as F32): pick one of {sorted(WEIGHTS)}")
+    f32 = cache_root() / "anchors" / f"{source.name}.F32.gguf"
+    if not f32.is_file():
+        f32.parent.mkdir(parents=True, exist_ok=True)
+        write_preset_gguf(source, f32)
+    return (f32 if weights == "f32" else requantize(llama_cpp, f32, weights, threads)), source

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import bench_vs_llamacpp as bench
+from benchmarks import llamacpp_peer
 from benchmarks.anchor_weights import write_preset_gguf
 from benchmarks.own_thread import on_own_thread
 from specray import LLM, EngineConfig, KVConfig, SamplingParams
@@ -18,11 +19,11 @@ from specray.models.presets import materialize
 
 def test_tpot_is_the_decode_span_over_the_tokens_after_the_first():
     # first token at 0.5 s (prefill), then 3 more tokens by 0.8 s: 0.3 s / 3 = 100 ms
-    assert bench.decode_tpot_ms([0.5, 0.6, 0.7, 0.8]) == pytest.approx(100.0)
+    assert llamacpp_peer.decode_tpot_ms([0.5, 0.6, 0.7, 0.8]) == pytest.approx(100.0)
     # drafted tokens arrive together: the span still counts every token after the first
-    assert bench.decode_tpot_ms([1.0, 1.2, 1.2, 1.2, 1.4]) == pytest.approx(100.0)
+    assert llamacpp_peer.decode_tpot_ms([1.0, 1.2, 1.2, 1.2, 1.4]) == pytest.approx(100.0)
     with pytest.raises(ValueError, match="at least 2 token timestamps, got 1"):
-        bench.decode_tpot_ms([1.0])
+        llamacpp_peer.decode_tpot_ms([1.0])
 
 
 def test_agreement_counts_identical_outputs_and_the_agreeing_prefix():
@@ -47,7 +48,7 @@ def test_tok_s_ratios_and_verdicts():
     best_k = rows["tok/s, ngram, each engine's best k"]  # specray's k=3 against llama.cpp's k=5
     assert (best_k["specray"], best_k["llamacpp"]) == (90.0, 50.0)
     assert bench.verdicts(list(rows.values())) == [
-        "BS1 TPOT specray/llama.cpp 1.20 (target <= 1.25): met",
+        "BS1 TPOT specray/llama.cpp 1.20 on f32 (target <= 1.25): met",
         "BS1 TPOT transformers/specray 3.00 (target >= 2.5): met",
         "ngram tok/s specray/llama.cpp 1.80 (target >= 1.5): met",
     ]
