@@ -51,12 +51,26 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) ->
     for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: zeros at init, not in a checkpoint
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
-    with torch.no_grad():  # Qwen3-Next's zero-centred norms start at w = 0 and its gated norm at 1: move them
-        for name, param in model.named_parameters():
-            if family == "qwen3_next" and name.endswith("norm.weight"):
-                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    if family == "qwen3_next":
+        _strengthen_linear_layers(model, gen)
     model.save_pretrained(directory)
     return Path(directory)
+
+
+def _strengthen_linear_layers(model, gen: torch.Generator) -> None:
+    """Qwen3-Next at transformers' init barely reads its linear layers' state: the layers' outputs
+    are small beside the residual stream and most heads decay their state to nothing within a
+    token (A up to 16), so a lost or stale state would not change a greedy token. Long memory
+    (A in [0.01, 0.5]) and larger projections make the state matter; the zero-centred norms
+    (w = 0 at init) and the gated norm (1) are moved off their init so a wrong offset shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.01, 0.5, generator=gen).log())
+            elif name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.out_proj.weight")):
+                param.mul_(5.0)
 
 
 def load_reference(directory: Path):
