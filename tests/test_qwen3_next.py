@@ -6,6 +6,8 @@ preemption), the budget, and a sharded run under mp."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -56,6 +58,30 @@ def test_checkpoint_has_the_shapes_under_test(case):
     assert arch.moe_layers == (1, 2, 3) and arch.shared_expert_intermediate_size == 48  # layer 0 dense
     assert arch.rotary_dim == 4 and arch.head_dim == 16 and arch.is_zero_centred_norm  # partial RoPE: 16 / 4
     assert (arch.linear.num_k_heads, arch.linear.num_v_heads, arch.linear.conv_dim) == (2, 4, 96)
+
+
+def test_config_errors_name_the_value_and_the_rule(case):
+    from specray.launch.mapping import validate_mapping
+    from specray.models.arch import arch_from_hf_config
+
+    cfg = json.loads((case[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention', 'sliding'\] must name one of"):
+        arch_from_hf_config(dict(cfg, num_hidden_layers=2, layer_types=["linear_attention", "sliding"]))
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads"):
+        arch_from_hf_config(dict(cfg, linear_num_value_heads=3))
+    with pytest.raises(ValueError, match=r"tp_size \(4\) must divide the linear-attention key heads \(2\)"):
+        validate_mapping(arch_from_hf_config(cfg), ParallelConfig(tp_size=4))
+
+
+def test_bfloat16_keeps_the_state_in_float32(case):
+    directory, prompts, _, _ = case
+    with LLM(config(directory, dtype="bfloat16", max_num_batched_tokens=48)) as llm:
+        out = llm.generate(prompts[4:5], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+        state = llm._engine.worker.pools[0]
+        geometry = llm.geometry
+    assert len(out.token_ids) == 16
+    assert state.conv.dtype == state.recurrent.dtype == torch.float32 and state.recurrent.abs().sum() > 0
+    assert geometry["target"].dtype == "bfloat16" and geometry["state"].dtype == "float32"
 
 
 @pytest.mark.parametrize("tokens_per_block,budget", [(16, 48), (32, None)])
@@ -212,9 +238,12 @@ def test_preset_matches_transformers():
     assert out.token_ids == reference_greedy(reference, prompt, 64)
 
 
-def test_tp2_matches_transformers(case):
+@pytest.mark.parametrize("moe_tp,moe_ep", [(2, 1), (1, 2)])
+def test_tp2_matches_transformers(case, moe_tp, moe_ep):
     directory, prompts, expected, _ = case
-    with LLM(config(directory, tp=2, max_num_batched_tokens=48)) as llm:
+    cfg = config(directory, tp=2, max_num_batched_tokens=48)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_tp_size=moe_tp, moe_ep_size=moe_ep))
+    with LLM(cfg) as llm:
         outs = llm.generate(prompts, GREEDY)
         state = llm.geometry["state"]
     assert [o.token_ids for o in outs] == expected
