@@ -112,7 +112,8 @@ def _qwen3_next_layer(cfg: dict, i: int, normal) -> dict[str, torch.Tensor]:
     if cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
         parts = [(f"mlp.experts.{e}", cfg["moe_intermediate_size"]) for e in range(cfg["num_experts"])]
         parts.append(("mlp.shared_expert", cfg["shared_expert_intermediate_size"]))
-        w.update({f"{p}.mlp.gate.weight": normal(cfg["num_experts"], h), f"{p}.mlp.shared_expert_gate.weight": normal(1, h)})
+        w.update({f"{p}.mlp.gate.weight": normal(cfg["num_experts"], h),
+                  f"{p}.mlp.shared_expert_gate.weight": normal(1, h)})
     for name, inter in parts:
         w.update({f"{p}.{name}.gate_proj.weight": normal(inter, h), f"{p}.{name}.up_proj.weight": normal(inter, h),
                   f"{p}.{name}.down_proj.weight": normal(h, inter)})

@@ -106,8 +106,8 @@ class RankWorker:
         extra = int(rank_value("SPECRAY_FAULT_KV_EXTRA_BLOCKS", ctx.rank) or 0)  # testing only
         if extra:
             geometry["target"] = replace(geometry["target"], num_blocks=geometry["target"].num_blocks + extra)
-        pools = {name: allocate_state_pool(g, ctx.device) if isinstance(g, StateGeometry) else allocate_pool(g, ctx.device)
-                 for name, g in geometry.items()}
+        pools = {name: allocate_state_pool(g, ctx.device) if isinstance(g, StateGeometry)
+                 else allocate_pool(g, ctx.device) for name, g in geometry.items()}
         verify(ctx.cpu, pools)
         self.geometry = geometry
         self.pools = self.model.layer_pools(pools["target"], pools.get("state"))  # per layer: pages or state
