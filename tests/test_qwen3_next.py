@@ -73,6 +73,19 @@ def test_config_errors_name_the_value_and_the_rule(case):
         validate_mapping(arch_from_hf_config(cfg), ParallelConfig(tp_size=4))
 
 
+def test_partial_rotary_factor_is_read_where_transformers_reads_it(case):
+    import transformers
+
+    from specray.models.arch import arch_from_hf_config
+
+    cfg = json.loads((case[0] / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    # Qwen3-Next-80B's own config.json: the factor at the top level beside rope_scaling null; and none at all
+    for extra in (dict(partial_rotary_factor=0.5, rope_scaling=None), {}):
+        hf = transformers.Qwen3NextConfig(**dict(cfg, **extra)).rope_parameters["partial_rotary_factor"]
+        assert arch_from_hf_config(dict(cfg, **extra)).rotary_dim == int(16 * hf)  # 8, then transformers' 0.25: 4
+
+
 def test_bfloat16_keeps_the_state_in_float32(case):
     directory, prompts, _, _ = case
     with LLM(config(directory, dtype="bfloat16", max_num_batched_tokens=48)) as llm:

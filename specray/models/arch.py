@@ -246,5 +246,5 @@ def _hybrid_arch(cfg: dict, base: ModelArch, rope: dict, source: str) -> ModelAr
     mixers = read_layer_mixers(cfg, source)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if base.num_experts else 0
     return replace(base, architecture="Qwen3NextForCausalLM", mixers=mixers, linear=read_gated_delta(cfg, source),
-                   rotary_dim=read_rotary_dim(rope, base.head_dim, source), is_zero_centred_norm=True,
+                   rotary_dim=read_rotary_dim(cfg, rope, base.head_dim, source), is_zero_centred_norm=True,
                    shared_expert_intermediate_size=shared)

@@ -86,9 +86,15 @@ def read_gated_delta(cfg: dict, source: str) -> GatedDeltaArch:
     return arch
 
 
-def read_rotary_dim(rope: dict, head_dim: int, source: str) -> int:
-    """The dims RoPE rotates: ``int(head_dim * partial_rotary_factor)``, as transformers computes it."""
-    factor = float(rope.get("partial_rotary_factor", 1.0))
+QWEN3_NEXT_PARTIAL_ROTARY_FACTOR = 0.25  # what Qwen3NextConfig assumes when a config leaves it out
+
+
+def read_rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
+    """The dims RoPE rotates: ``int(head_dim * partial_rotary_factor)``, as transformers computes it;
+    the factor from ``rope_parameters``, else the top level (Qwen3-Next-80B's own config.json keeps
+    it there, beside ``rope_scaling: null``), else Qwen3NextConfig's default."""
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor",
+                                                             QWEN3_NEXT_PARTIAL_ROTARY_FACTOR)))
     dim = int(head_dim * factor)
     if not 0 < dim <= head_dim or dim % 2:
         raise ConfigError(f"{source}: partial_rotary_factor ({factor}) x head_dim ({head_dim}) = {dim} must be a "
