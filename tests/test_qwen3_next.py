@@ -262,3 +262,12 @@ def test_tp2_matches_transformers(case, moe_tp, moe_ep):
     assert [o.token_ids for o in outs] == expected
     # each rank holds one key-head group: half the conv channels and value heads
     assert (state.layout.conv_dim, state.layout.num_heads) == (48, 2)
+
+
+def test_a_state_pool_mismatch_between_ranks_stops_start_up_naming_rank_pool_and_field(case, monkeypatch):
+    # the state pool goes through the same fingerprint check as the pages: rank 1 allocating two
+    # rows too many (a fault injected after the agreement) must stop start-up on every rank
+    monkeypatch.setenv("SPECRAY_FAULT_STATE_EXTRA_SLOTS", "1:2")
+    with pytest.raises(Exception, match=r"KV geometry mismatch: rank 1 allocated state.num_slots = 10, "
+                                        r"rank 0 allocated 8"):
+        LLM(config(case[0], tp=2))

@@ -106,6 +106,9 @@ class RankWorker:
         extra = int(rank_value("SPECRAY_FAULT_KV_EXTRA_BLOCKS", ctx.rank) or 0)  # testing only
         if extra:
             geometry["target"] = replace(geometry["target"], num_blocks=geometry["target"].num_blocks + extra)
+        extra = int(rank_value("SPECRAY_FAULT_STATE_EXTRA_SLOTS", ctx.rank) or 0)  # testing only
+        if extra:
+            geometry["state"] = replace(geometry["state"], num_slots=geometry["state"].num_slots + extra)
         pools = {name: allocate_state_pool(g, ctx.device) if isinstance(g, StateGeometry)
                  else allocate_pool(g, ctx.device) for name, g in geometry.items()}
         verify(ctx.cpu, pools)
