@@ -21,7 +21,9 @@ Rules:
   running request is preempted: its pages are freed, and it waits at the front of the
   queue to be recomputed (prompt plus what it already generated), so no request fails;
 - finishing frees every page of the request at once, and so does aborting it (``abort``),
-  whether it runs or waits.
+  whether it runs or waits;
+- a hybrid target's requests also need a free state slot to join, and give it back whenever
+  they leave the running set (``executor/state_rows.py``).
 
 Speculative decoding (``num_draft_tokens`` k > 0): a decoding sequence feeds its last token
 and the ranks append k drafts, so its pages cover ``len(token_ids) + k`` slots; after the

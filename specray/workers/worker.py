@@ -59,7 +59,7 @@ class RankWorker:
         torch.manual_seed(config.seed)
         self.model = load_model(resolve_model(config.model, config.seed), ctx, config.dtype)
         self.drafter = build_drafter(config, ctx, self.model)
-        self.pools: list[torch.Tensor] = []  # target pool, one tensor per layer
+        self.pools: list = []  # target pool, per layer its pages (a tensor) or, linear layers, its LayerState
         self.draft_pools: list[torch.Tensor] = []  # standalone drafter's pool
         self.geometry: dict[str, PoolGeometry | StateGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
