@@ -1,6 +1,7 @@
 """specray against transformers' ``generate`` on the same weights, in the same run.
 
-    python -m benchmarks.bench_vs_transformers [--model smollm2-135m|mid-llama|tiny-deepseek-v3] [--batch-sizes 1,8]
+    python -m benchmarks.bench_vs_transformers [--model smollm2-135m|mid-llama|tiny-deepseek-v3|tiny-qwen3-next]
+        [--batch-sizes 1,8]
 
 ``smollm2-135m`` (the default) is the built-in real model: both sides load the same GGUF file
 (transformers dequantizes it to float32, as specray does) and run the same chat-formatted
@@ -8,7 +9,9 @@ HumanEval prompts cut to exactly ``--input-len`` tokens (equal lengths: transfor
 padding). ``mid-llama`` is the random-weight preset (156M parameters) with random prompts;
 ``tiny-deepseek-v3`` / ``tiny-kimi-k2`` the MLA presets (DeepseekV3ForCausalLM on both sides), for
 which the report adds the target pool's bytes per token beside tiny-llama's (a GQA preset of the
-same width: hidden 256, 4 layers, 8 heads).
+same width: hidden 256, 4 layers, 8 heads); ``tiny-qwen3-next`` the hybrid preset
+(Qwen3NextForCausalLM on both sides: transformers runs its torch fallbacks of the delta rule and
+the conv, as specray runs its own).
 Greedy, exactly ``output_len`` new tokens on both sides (transformers: no EOS in its
 generation config; specray: ``ignore_eos``): EOS may be generated and does not stop either.
 
@@ -51,7 +54,8 @@ from specray.models.presets import is_preset, resolve_model
 from specray.models.tokenizer import load_tokenizer
 
 TARGETS = {"smollm2-135m": {1: 1.5, 8: 2.0}, "mid-llama": {1: 1.0, 8: 1.5},  # specray / transformers tok/s
-           "tiny-deepseek-v3": {}, "tiny-kimi-k2": {}}  # MLA presets: measured, no target set
+           "tiny-deepseek-v3": {}, "tiny-kimi-k2": {},  # MLA presets: measured, no target set
+           "tiny-qwen3-next": {}}  # the hybrid preset (Gated DeltaNet + gated attention): measured, no target set
 GQA_OF_SAME_WIDTH = {"tiny-deepseek-v3": "tiny-llama", "tiny-kimi-k2": "tiny-llama"}
 """For MLA models, the GQA preset of the same width (hidden 256, 4 layers, 8 heads) whose pool
 bytes per token the report sets beside the latent pool's."""
@@ -76,11 +80,33 @@ def weight_shapes(arch: ModelArch) -> list[tuple[int, int]]:
     included; the embedding is a row lookup)."""
     if arch.mla is not None:
         return mla_weight_shapes(arch)
+    if arch.linear is not None:
+        return hybrid_weight_shapes(arch)
     h, hd = arch.hidden_size, arch.head_dim
     layer = [(arch.num_heads * hd, h), (arch.num_kv_heads * hd, h), (arch.num_kv_heads * hd, h),
              (h, arch.num_heads * hd), (arch.intermediate_size, h), (arch.intermediate_size, h),
              (h, arch.intermediate_size)]
     return layer * arch.num_layers + [(arch.vocab_size, h)]
+
+
+def hybrid_weight_shapes(arch: ModelArch) -> list[tuple[int, int]]:
+    """Qwen3-Next: per linear layer in_proj_qkvz, in_proj_ba, out_proj; per full layer q_proj (q and
+    gate), k, v, o; per MoE layer the router, top-k experts and the shared expert and its gate."""
+    h, hd, lin = arch.hidden_size, arch.head_dim, arch.linear
+    shapes = []
+    for i in range(arch.num_layers):
+        if arch.mixer_of(i) == "linear_attention":
+            shapes += [(2 * lin.key_dim + 2 * lin.value_dim, h), (2 * lin.num_v_heads, h), (h, lin.value_dim)]
+        else:
+            shapes += [(2 * arch.num_heads * hd, h), (arch.num_kv_heads * hd, h), (arch.num_kv_heads * hd, h),
+                       (h, arch.num_heads * hd)]
+        inter, shared = arch.moe_intermediate_size, arch.shared_expert_intermediate_size
+        if i in arch.moe_layers:
+            shapes += [(arch.num_experts, h), (1, h)] + [(inter, h), (inter, h), (h, inter)] * arch.num_experts_per_tok
+            shapes += [(shared, h), (shared, h), (h, shared)]
+        else:
+            shapes += [(arch.intermediate_size, h), (arch.intermediate_size, h), (h, arch.intermediate_size)]
+    return shapes + [(arch.vocab_size, h)]
 
 
 def mla_weight_shapes(arch: ModelArch) -> list[tuple[int, int]]:

@@ -317,8 +317,8 @@ class EngineConfig:
     """Everything one LLM needs: the model, where it runs and how it decodes."""
 
     model: str = "tiny-llama"
-    """A built-in preset (tiny-llama, tiny-qwen3, tiny-moe, tiny-deepseek-v3, tiny-kimi-k2, mid-llama) or a
-    Hugging Face checkpoint dir."""
+    """A built-in preset (tiny-llama, tiny-qwen3, tiny-moe, tiny-deepseek-v3, tiny-kimi-k2, tiny-qwen3-next,
+    mid-llama) or a Hugging Face checkpoint dir."""
     device: str = "cpu"
     dtype: str = "float32"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -19,6 +19,8 @@ A value applies to every rank, or to chosen ranks with ``rank:value`` items sepa
 |                                   | barrier on a CPU rank (workers/barrier_waits.py)               |
 | SPECRAY_FAULT_KV_EXTRA_BLOCKS     | testing only: allocate this many extra blocks, which the       |
 |                                   | fingerprint check must catch                                   |
+| SPECRAY_FAULT_STATE_EXTRA_SLOTS   | testing only: allocate this many extra state rows (hybrid      |
+|                                   | targets), which the fingerprint check must catch               |
 | SPECRAY_TEST_STEP_DIR             | testing only: after each step, every rank writes its step      |
 |                                   | count to ``<dir>/rank<R>.steps`` (a test acts mid-call on it)  |
 | SPECRAY_TEST_DRAFTS_DIR           | testing only: every rank appends ``[seq id, tokens, drafts,    |

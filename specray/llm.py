@@ -10,6 +10,7 @@ from specray.errors import ConfigError, EngineClosed
 from specray.executor.outputs import RequestOutput
 from specray.executor.text import ChatPrompt, Prompt
 from specray.kv.geometry import PoolGeometry
+from specray.kv.state import StateGeometry
 from specray.launch import start_engine
 
 
@@ -48,8 +49,9 @@ class LLM:
         return getattr(self._require_open(), "rank", 0)
 
     @property
-    def geometry(self) -> dict[str, PoolGeometry]:
-        """The agreed KV pools, as allocated on every rank."""
+    def geometry(self) -> dict[str, PoolGeometry | StateGeometry]:
+        """The agreed KV pools, as allocated on every rank ("target", "draft" for a standalone
+        drafter, "state" for a hybrid target's state slots)."""
         return self._require_open().geometry
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -118,7 +118,8 @@ def run_prefixes(config, prefixes: list[list[int]], output_len: int, env=()) -> 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     with environment(env), LLM(config) as llm:
         llm.generate([prefixes[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-        pages = {name: g.tokens_per_block for name, g in llm.geometry.items()}
+        # paged pools only (a hybrid target's state pool has slots, not pages)
+        pages = {name: g.tokens_per_block for name, g in llm.geometry.items() if hasattr(g, "tokens_per_block")}
         return [llm.generate([p], params)[0] for p in prefixes], pages
 
 

@@ -31,6 +31,13 @@ FAMILIES["deepseek_v3"] = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
 FAMILIES["kimi_k2"] = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
     _DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False,
     rope_parameters=dict(rope_type="default", rope_theta=50000.0)))
+# Qwen3-Next: explicit layer_types (linear, full, linear, full), the first layer dense, the others MoE with
+# the shared expert, 2 key heads x 2 value heads each in the linear layers, partial RoPE (a quarter of head_dim)
+FAMILIES["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=True))
 
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
@@ -44,8 +51,26 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) ->
     for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: zeros at init, not in a checkpoint
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+    if family == "qwen3_next":
+        _strengthen_linear_layers(model, gen)
     model.save_pretrained(directory)
     return Path(directory)
+
+
+def _strengthen_linear_layers(model, gen: torch.Generator) -> None:
+    """Qwen3-Next at transformers' init barely reads its linear layers' state: the layers' outputs
+    are small beside the residual stream and most heads decay their state to nothing within a
+    token (A up to 16), so a lost or stale state would not change a greedy token. Long memory
+    (A in [0.01, 0.5]) and larger projections make the state matter; the zero-centred norms
+    (w = 0 at init) and the gated norm (1) are moved off their init so a wrong offset shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.01, 0.5, generator=gen).log())
+            elif name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.out_proj.weight")):
+                param.mul_(5.0)
 
 
 def load_reference(directory: Path):

@@ -19,6 +19,7 @@ from specray.executor import spec_metrics
 from specray.executor.adaptive import AdaptiveDraftLengths
 from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
 from specray.executor.scheduler import Scheduler, Sequence
+from specray.executor.state_rows import state_slot_allocator
 from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine_tokenizer
 from specray.workers.logprobs import TokenLogprob
 from specray.workers.plan import StepPlan
@@ -88,11 +89,14 @@ class EngineCore:
         self.draft_allocator = allocator(draft.num_blocks) if draft is not None else None
         self.num_draft_tokens = config.spec.num_draft_tokens if config.spec.is_enabled else 0
         self.prefix_pools, drafter_kv = self._prefix_pools(worker.drafter)
+        self.state_allocator = state_slot_allocator(self.geometry.get("state"), config.max_num_seqs,
+                                                    self.num_draft_tokens)
         self.scheduler = Scheduler(self.allocator, target.tokens_per_block, config.max_num_seqs,
                                    config.step_token_budget, num_draft_tokens=self.num_draft_tokens,
                                    draft_allocator=self.draft_allocator,
                                    draft_tokens_per_block=draft.tokens_per_block if draft is not None else 0,
-                                   prefix_pools=self.prefix_pools, drafter_kv=drafter_kv)
+                                   prefix_pools=self.prefix_pools, drafter_kv=drafter_kv,
+                                   state_allocator=self.state_allocator)
         self.adaptive = None  # adaptive speculation: the draft lengths of each step (executor/adaptive.py)
         if config.spec.is_enabled and config.spec.adaptive:
             self.adaptive = AdaptiveDraftLengths(config.spec.method, self.num_draft_tokens)
@@ -109,7 +113,9 @@ class EngineCore:
         drafter_kv = None
         if drafter is not None and drafter.kv_layout is not None:
             drafter_kv = "draft" if drafter.is_standalone else "target"
-        if not self.config.kv.enable_prefix_caching:
+        # hybrid targets: a hit would need the linear layers' state at the hit's end, which no page
+        # holds (docs/models.md), so their prefix cache stays off
+        if not self.config.kv.enable_prefix_caching or "state" in self.geometry:
             return [], drafter_kv
         # one-model drafters whose KV at p depends on token p + 1 key the target's pages with it
         shift = getattr(drafter, "kv_successor_tokens", 0) if drafter_kv == "target" else 0
@@ -293,6 +299,8 @@ class EngineCore:
         usage = {"target": 1 - self.allocator.num_free / self.allocator.num_blocks}
         if self.draft_allocator is not None:
             usage["draft"] = 1 - self.draft_allocator.num_free / self.draft_allocator.num_blocks
+        if self.state_allocator is not None:
+            usage["state"] = 1 - self.state_allocator.num_free / self.state_allocator.num_slots
         c = s.spec_counters
         return EngineStats(len(s.running), len(s.waiting), usage, c.num_drafts, c.num_draft_tokens,
                            c.num_accepted_tokens, list(c.accepted_per_position),

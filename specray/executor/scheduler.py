@@ -21,7 +21,9 @@ Rules:
   running request is preempted: its pages are freed, and it waits at the front of the
   queue to be recomputed (prompt plus what it already generated), so no request fails;
 - finishing frees every page of the request at once, and so does aborting it (``abort``),
-  whether it runs or waits.
+  whether it runs or waits;
+- a hybrid target's requests also need a free state slot to join, and give it back whenever
+  they leave the running set (``executor/state_rows.py``).
 
 Speculative decoding (``num_draft_tokens`` k > 0): a decoding sequence feeds its last token
 and the ranks append k drafts, so its pages cover ``len(token_ids) + k`` slots; after the
@@ -56,6 +58,8 @@ from specray.executor.spec_metrics import SpecCounters
 from specray.workers.plan import StepPlan
 from specray.kv.allocator import BlockAllocator, blocks_needed
 from specray.executor.prefix_hits import PrefixHits
+from specray.executor.state_rows import StateRows
+from specray.kv.state_slots import StateSlotAllocator
 from specray.kv.prefix_cache import CachedPool
 
 
@@ -122,12 +126,14 @@ class Sequence:
         self.finish_reason, self.stop_reason = reason, stop_reason
 
 
-class Scheduler(PrefixHits):
+class Scheduler(PrefixHits, StateRows):
     def __init__(self, allocator: BlockAllocator, tokens_per_block: int, max_num_seqs: int,
                  max_num_batched_tokens: int, lookahead_tokens: int = 0, num_draft_tokens: int = 0,
                  draft_allocator: BlockAllocator | None = None, draft_tokens_per_block: int = 0,
-                 prefix_pools: list[CachedPool] | None = None, drafter_kv: str | None = None):
+                 prefix_pools: list[CachedPool] | None = None, drafter_kv: str | None = None,
+                 state_allocator: StateSlotAllocator | None = None):
         self.allocator = allocator
+        self._init_state_rows(state_allocator)  # hybrid targets: a state slot per running sequence
         # prefix caching: the target pool first, then a standalone drafter's; None: off
         self.prefix_pools = prefix_pools or []
         self.drafter_kv = drafter_kv  # where the drafter keeps KV: "target", "draft" or None
@@ -209,6 +215,7 @@ class Scheduler(PrefixHits):
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._free_state_slot(seq.seq_id)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_blocks_sent = 0
@@ -252,7 +259,7 @@ class Scheduler(PrefixHits):
                 chunks[seq.seq_id] = min(seq.num_uncomputed, budget)
                 budget -= chunks[seq.seq_id]
         # 3. Waiting requests join while pages, batch slots and the token budget allow.
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and self._has_free_state_slot():
             seq = self.waiting[0]
             hit, hit_pages, keys = self._find_hit(seq)
             need = self._pages_for(seq, self._lookahead(seq))  # adaptive: a prefill row drafts nothing
@@ -263,6 +270,7 @@ class Scheduler(PrefixHits):
             self.waiting.popleft()
             self._take_hit(seq, hit, hit_pages, keys)
             self._grant(seq, need)
+            self._take_state_slot(seq.seq_id)
             seq.admitted_at = next(self._admissions)
             self.running.append(seq)
             chunks[seq.seq_id] = min(seq.num_uncomputed, budget)
@@ -275,7 +283,8 @@ class Scheduler(PrefixHits):
 
     def _plan(self, chunks: dict[int, int]) -> StepPlan:
         """The plan of the rows in ``chunks`` (sequence id -> tokens it computes), in running order."""
-        plan = StepPlan(preempted=self._preempted, finished=self._finished, truncated=self._truncated)
+        plan = StepPlan(preempted=self._preempted, finished=self._finished, truncated=self._truncated,
+                        state_rows=self._pop_state_rows())
         self._preempted, self._finished, self._truncated = [], [], {}
         self._scheduled = [(seq, chunks[seq.seq_id]) for seq in self.running if seq.seq_id in chunks]
         for seq, num_tokens in self._scheduled:

@@ -93,13 +93,14 @@ def check_fingerprints(fingerprints: list[dict[str, dict]]) -> None:
                                        f"rank 0 allocated {reference[pool][key]}")
 
 
-def agree(group: Group, report: RankReport, kv: KVConfig, method: str | None, dtype: str) -> dict[str, PoolGeometry]:
+def agree(group: Group, report: RankReport, kv: KVConfig, method: str | None, dtype: str, *,
+          num_state_slots: int = 0) -> dict[str, PoolGeometry | StateGeometry]:
     """Steps 1-2 (collective over the control group): every rank returns rank 0's decision."""
     reports = group.gather_object(report)
     decision: dict | str = {}
     if reports is not None:
         try:
-            decision = decide(reports, kv, method, dtype)
+            decision = decide(reports, kv, method, dtype, num_state_slots=num_state_slots)
         except ValueError as e:
             decision = str(e)
     decision = group.broadcast_object(decision)

@@ -36,9 +36,16 @@ def validate_mapping(arch: ModelArch, parallel: ParallelConfig, world_size: int 
             shared = arch.moe_intermediate_size * arch.router.num_shared_experts
             rules.append((shared % tp == 0, f"tp_size ({tp}) must divide the shared experts' intermediate size "
                                             f"({shared} = moe_intermediate_size x n_shared_experts)"))
+        if arch.shared_expert_intermediate_size:
+            rules.append((arch.shared_expert_intermediate_size % tp == 0,
+                          f"tp_size ({tp}) must divide the shared expert's intermediate size "
+                          f"({arch.shared_expert_intermediate_size})"))
     elif parallel.moe_ep_size not in (None, 1):
         rules.append((False, f"moe_ep_size ({parallel.moe_ep_size}) needs a mixture-of-experts model; "
                              f"{arch.architecture} has no experts"))
+    if arch.linear is not None:  # Gated DeltaNet splits whole key-head groups (and their value heads)
+        rules.append((arch.linear.num_k_heads % tp == 0,
+                      f"tp_size ({tp}) must divide the linear-attention key heads ({arch.linear.num_k_heads})"))
     for ok, message in rules:
         if not ok:
             raise ValueError(f"{arch.architecture}: {message}")

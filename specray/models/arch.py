@@ -8,10 +8,11 @@ not a copy of the model file.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specray.errors import require_keys
+from specray.models.hybrid_arch import GatedDeltaArch, read_gated_delta, read_layer_mixers, read_rotary_dim
 from specray.models.mla_arch import GroupedRouter, MLAArch, YarnRope, read_mla, read_router, read_yarn
 
 
@@ -23,6 +24,7 @@ class Family:
     always_norm_topk: bool = False  # Mixtral renormalises the top-k weights unconditionally
     expert_size_key: str = "moe_intermediate_size"  # config key of one expert's intermediate size
     mixer: str = "attention"  # the token mixer of its layers: "attention" (GQA, K/V pool) or "mla" (latent pool)
+    is_hybrid: bool = False  # per-layer mixers from layer_types: gated attention and linear attention (state slots)
     router: str = "softmax"  # "softmax" top-k, or "grouped_sigmoid" (DeepSeekMoE: bias, groups, shared experts)
 
 
@@ -36,8 +38,12 @@ FAMILIES: dict[str, Family] = {
     ),
     # Kimi-K2 checkpoints use this class too (q_lora_rank null, n_group 1)
     "DeepseekV3ForCausalLM": Family(has_qk_norm=False, moe_prefix="mlp", mixer="mla", router="grouped_sigmoid"),
+    # gated attention and Gated DeltaNet layers as layer_types says; MoE with a sigmoid-gated shared expert
+    "Qwen3NextForCausalLM": Family(has_qk_norm=True, moe_prefix="mlp", mixer="gated_attention", is_hybrid=True),
 }
-MIXERS = ("attention", "mla")
+# "gated_attention": GQA with an output gate from q_proj (Qwen3-Next's full attention, K/V pool);
+# "linear_attention": Gated DeltaNet over a state slot (kv/state.py)
+MIXERS = ("attention", "mla", "gated_attention", "linear_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,10 @@ class ModelArch:
     mla: MLAArch | None = None
     yarn: YarnRope | None = None
     router: GroupedRouter | None = None  # DeepSeekMoE routing; None: softmax top-k
+    linear: GatedDeltaArch | None = None  # the linear-attention layers' shape (hybrid models)
+    rotary_dim: int = 0  # the dims RoPE rotates (partial RoPE); 0: the whole head
+    is_zero_centred_norm: bool = False  # RMSNorms scale by (1 + w) (Qwen3-Next), not w
+    shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones (Qwen3-Next)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.mixers if m not in MIXERS]
@@ -72,6 +82,8 @@ class ModelArch:
             raise ValueError(f"mixers {self.mixers} must name one of {MIXERS} for each of the {self.num_layers} layers")
         if self.mla is None and "mla" in self.mixers:
             raise ValueError("an MLA layer needs the MLA record (mla)")
+        if self.linear is None and "linear_attention" in self.mixers:
+            raise ValueError("a linear-attention layer needs the GatedDeltaArch record (linear)")
 
     @property
     def family(self) -> Family:
@@ -84,7 +96,19 @@ class ModelArch:
     @property
     def rope_dim(self) -> int:
         """The dimensions RoPE rotates: the whole head, or MLA's qk_rope_head_dim."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers whose K/V (or latent rows) live in the paged pool: all but linear attention,
+        whose per-sequence state lives in state slots instead."""
+        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) != "linear_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) == "linear_attention")
 
     @property
     def is_moe(self) -> bool:
@@ -96,7 +120,7 @@ class ModelArch:
         if self.mla is not None:
             return self.num_layers * self.mla.latent_dim * dtype_size
         kv_heads = max(self.num_kv_heads // tp_size, 1)
-        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_size
+        return 2 * len(self.kv_layers) * kv_heads * self.head_dim * dtype_size
 
 
 def read_arch(checkpoint_dir: str | Path) -> ModelArch:
@@ -137,6 +161,10 @@ def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
     require_keys(cfg, REQUIRED_KEYS, source)
     if family.mixer == "mla":
         return _mla_arch(cfg, supported[0], rope, source)
+    if family.is_hybrid:
+        # the Qwen3-MoE reading covers the rest of the config (same keys, same rules)
+        base = arch_from_hf_config(dict(cfg, architectures=["Qwen3MoeForCausalLM"]), source)
+        return _hybrid_arch(cfg, base, rope, source)
     num_heads = cfg["num_attention_heads"]
     num_layers = cfg["num_hidden_layers"]
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
@@ -209,3 +237,14 @@ def _mla_arch(cfg: dict, architecture: str, rope: dict, source: str) -> ModelArc
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=moe_layers,
         eos_token_ids=tuple(int(e) for e in eos_ids), mixers=("mla",) * num_layers, mla=mla, yarn=yarn,
         router=router)
+
+
+def _hybrid_arch(cfg: dict, base: ModelArch, rope: dict, source: str) -> ModelArch:
+    """Qwen3-Next: the Qwen3-MoE record (heads, experts, mlp_only_layers, decoder_sparse_step) read
+    by the same code, plus per-layer mixers, the Gated DeltaNet shape, partial RoPE, zero-centred
+    norms and the shared expert."""
+    mixers = read_layer_mixers(cfg, source)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if base.num_experts else 0
+    return replace(base, architecture="Qwen3NextForCausalLM", mixers=mixers, linear=read_gated_delta(cfg, source),
+                   rotary_dim=read_rotary_dim(cfg, rope, base.head_dim, source), is_zero_centred_norm=True,
+                   shared_expert_intermediate_size=shared)

@@ -40,6 +40,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence, summing to N
     causal: bool = True
     context_lens_list: list[int] = field(default_factory=list)  # context_lens as ints (filled if empty)
+    state_rows: list[int] = field(default_factory=list)  # hybrid models: each sequence's state row (kv/state.py)
     # what kernels derive from the metadata, built by the first layer and reused by the others
     derived: dict = field(default_factory=dict, repr=False)
 

@@ -26,6 +26,11 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         for i in range(cfg["num_hidden_layers"]):
             w.update(_deepseek_layer(cfg, i, normal))
         return w
+    if cfg["model_type"] == "qwen3_next":
+        w["model.norm.weight"] = normal(h)  # zero-centred: scales by 1 + w
+        for i in range(cfg["num_hidden_layers"]):
+            w.update(_qwen3_next_layer(cfg, i, normal))
+        return w
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = torch.ones(h)
@@ -76,6 +81,39 @@ def _deepseek_layer(cfg: dict, i: int, normal) -> dict[str, torch.Tensor]:
             parts.append(("mlp.shared_experts", e_inter * cfg["n_shared_experts"]))
         w[f"{p}.mlp.gate.weight"] = normal(cfg["n_routed_experts"], h)
         w[f"{p}.mlp.gate.e_score_correction_bias"] = normal(cfg["n_routed_experts"]) * 2
+    for name, inter in parts:
+        w.update({f"{p}.{name}.gate_proj.weight": normal(inter, h), f"{p}.{name}.up_proj.weight": normal(inter, h),
+                  f"{p}.{name}.down_proj.weight": normal(h, inter)})
+    return w
+
+
+def _qwen3_next_layer(cfg: dict, i: int, normal) -> dict[str, torch.Tensor]:
+    """One Qwen3-Next layer as ``layer_types`` says: gated attention (q_proj holds q and its gate)
+    or Gated DeltaNet; a dense MLP in ``mlp_only_layers``, else MoE with the gated shared expert.
+    Zero-centred norms get N(0, 0.02) weights (scale 1 + w); A_log and dt_bias as transformers
+    initialises them (A uniform in [1, 16], dt_bias 1)."""
+    h, nh, nkv, hd, p = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], \
+        f"model.layers.{i}"
+    w = {f"{p}.input_layernorm.weight": normal(h), f"{p}.post_attention_layernorm.weight": normal(h)}
+    if cfg["layer_types"][i] == "full_attention":
+        a = f"{p}.self_attn"
+        w.update({f"{a}.q_proj.weight": normal(2 * nh * hd, h), f"{a}.k_proj.weight": normal(nkv * hd, h),
+                  f"{a}.v_proj.weight": normal(nkv * hd, h), f"{a}.o_proj.weight": normal(h, nh * hd),
+                  f"{a}.q_norm.weight": normal(hd), f"{a}.k_norm.weight": normal(hd)})
+    else:
+        a, nk, nv = f"{p}.linear_attn", cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        w.update({f"{a}.in_proj_qkvz.weight": normal(2 * nk * dk + 2 * nv * dv, h),
+                  f"{a}.in_proj_ba.weight": normal(2 * nv, h),
+                  f"{a}.conv1d.weight": normal(2 * nk * dk + nv * dv, 1, cfg["linear_conv_kernel_dim"]) * 10,
+                  f"{a}.A_log": torch.linspace(1, 16, nv).log(), f"{a}.dt_bias": torch.ones(nv),
+                  f"{a}.norm.weight": torch.ones(dv), f"{a}.out_proj.weight": normal(h, nv * dv)})
+    parts = [("mlp", cfg["intermediate_size"])]
+    if cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
+        parts = [(f"mlp.experts.{e}", cfg["moe_intermediate_size"]) for e in range(cfg["num_experts"])]
+        parts.append(("mlp.shared_expert", cfg["shared_expert_intermediate_size"]))
+        w.update({f"{p}.mlp.gate.weight": normal(cfg["num_experts"], h),
+                  f"{p}.mlp.shared_expert_gate.weight": normal(1, h)})
     for name, inter in parts:
         w.update({f"{p}.{name}.gate_proj.weight": normal(inter, h), f"{p}.{name}.up_proj.weight": normal(inter, h),
                   f"{p}.{name}.down_proj.weight": normal(h, inter)})

@@ -1,7 +1,8 @@
 """The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 /
-Kimi-K2). A layer is assembled from parts the architecture record names: its token mixer
-(``Attention`` here, or ``MLAttention`` in mla.py) and its MLP (dense here, ``MoE`` or
-``DeepSeekMoE`` in moe.py). Their sharding tables are in those files.
+Kimi-K2, Qwen3-Next). A layer is assembled from parts the architecture record names: its token
+mixer (``Attention`` here, gated or not, ``MLAttention`` in mla.py, ``GatedDeltaNet`` in
+qwen3_next.py) and its MLP (dense here, ``MoE``, ``DeepSeekMoE`` in moe.py or
+``SharedExpertMoE`` in qwen3_next.py). Their sharding tables are in those files.
 
 Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
+from specray.kv.state import StateLayout, StatePool
 from specray.models.arch import ModelArch
 from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, AttentionMetadata, paged_attention, write_kv
 from specray.models.block_attention import block_decode_attention
@@ -35,6 +37,8 @@ from specray.models.fused_decode import fused_kernels, fused_layers, fused_layer
 from specray.models.mla import MLA_CPU_PAGE_SIZES, MLAttention, rotary_for
 from specray.models.moe import DeepSeekMoE, MoE
 from specray.models.quant_weight import set_weight
+from specray.models.qwen3_next import (GatedDeltaNet, LayerState, SharedExpertMoE, ZeroCentredRMSNorm,
+                                       gated_attention_forward)
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -46,22 +50,31 @@ from specray.models.layers import (
 )
 
 
+def norm_class(arch: ModelArch) -> type[RMSNorm]:
+    """The model's RMSNorm: ``x * w``, or zero-centred ``x * (1 + w)`` (Qwen3-Next)."""
+    return ZeroCentredRMSNorm if arch.is_zero_centred_norm else RMSNorm
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
+    def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention,
+                 is_gated: bool = False):
         super().__init__()
         self.kernel = kernel  # paged_attention, or block_decode_attention in standalone drafters
         tp, dev = ctx.tp, ctx.device
         self.head_dim = arch.head_dim
         self.num_local_heads = arch.num_heads // tp.size
-        self.qkv = QKVParallelLinear(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+        # a gated layer's q_proj holds (q, gate) per head: twice the rows, still split by head
+        self.is_gated = is_gated
+        q_parts = 2 if is_gated else 1
+        self.qkv = QKVParallelLinear(arch.hidden_size, q_parts * arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                      tp, arch.attention_bias, dtype, dev)
         self.num_local_kv_heads = self.qkv.num_local_kv_heads
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp,
                                         arch.attention_bias, dtype, dev)
         self.q_norm = self.k_norm = None
         if arch.family.has_qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, dev)
+            self.q_norm = norm_class(arch)(arch.head_dim, arch.rms_norm_eps, dtype, dev)
+            self.k_norm = norm_class(arch)(arch.head_dim, arch.rms_norm_eps, dtype, dev)
         self.scale = arch.head_dim ** -0.5
 
     def layout(self, num_layers: int) -> KVLayout:
@@ -69,6 +82,8 @@ class Attention(nn.Module):
         return KVLayout(num_layers, self.num_local_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.is_gated:
+            return gated_attention_forward(self, x, cos, sin, pool, meta)
         heads, kv_heads, dim = self.num_local_heads, self.num_local_kv_heads, self.head_dim
         qkv = self.qkv(x)
         kernels = kernels_for(qkv, pool) if self.q_norm is None else None
@@ -111,29 +126,36 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int, ctx: DistContext, dtype: torch.dtype, kernel=paged_attention):
         super().__init__()
-        dev = ctx.device
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
-        # the family table's per-layer mixer: GQA attention over a K/V pool, or MLA over a latent pool
-        if arch.mixer_of(index) == "mla":
+        dev, norm = ctx.device, norm_class(arch)
+        self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+        # the record's per-layer mixer: (gated) GQA attention over a K/V pool, MLA over a latent pool,
+        # or Gated DeltaNet over a state slot; the checkpoint names the last one linear_attn
+        mixer = arch.mixer_of(index)
+        self.mixer_name = "linear_attn" if mixer == "linear_attention" else "self_attn"
+        if mixer == "mla":
             self.self_attn = MLAttention(arch, ctx, dtype)
+        elif mixer == "linear_attention":
+            self.linear_attn = GatedDeltaNet(arch, ctx, dtype)
         else:
-            self.self_attn = Attention(arch, ctx, dtype, kernel)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+            self.self_attn = Attention(arch, ctx, dtype, kernel, is_gated=mixer == "gated_attention")
+        self.post_attention_layernorm = norm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.is_moe = index in arch.moe_layers
         self.mlp_prefix = arch.family.moe_prefix if self.is_moe else "mlp"
-        if self.is_moe and arch.router is not None:
+        if self.is_moe and arch.shared_expert_intermediate_size:
+            self.mlp = SharedExpertMoE(arch, ctx, dtype)
+        elif self.is_moe and arch.router is not None:
             self.mlp = DeepSeekMoE(arch, ctx, dtype)
         else:
             self.mlp = MoE(arch, ctx, dtype) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size, ctx, dtype)
 
     def forward(self, x, cos, sin, pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta)
+        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), cos, sin, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def load(self, reader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
-        self.self_attn.load(reader, f"{prefix}.self_attn")
+        getattr(self, self.mixer_name).load(reader, f"{prefix}.{self.mixer_name}")
         self.mlp.load(reader, f"{prefix}.{self.mlp_prefix}")
 
 
@@ -146,23 +168,44 @@ class CausalLM(nn.Module):
         dev = ctx.device
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ctx, dtype, kernel) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
+        self.norm = norm_class(arch)(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx.tp, dtype, dev)
         self.rotary = rotary_for(arch, dev)
         # fused_layers runs these kernels' maths (GQA layers only); SPECRAY_CPU_FUSED_LAYERS=0 keeps the module path
         self.is_fused = ((kernel is paged_attention or kernel is block_decode_attention) and fused_layers_enabled()
-                         and arch.mla is None)
+                         and arch.mla is None and not arch.linear_layers)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def num_local_kv_heads(self) -> int:
-        return self.layers[0].self_attn.num_local_kv_heads
+        return self.layers[self.arch.kv_layers[0]].self_attn.num_local_kv_heads
 
     @property
     def kv_layout(self) -> KVLayout:
-        """What one token needs in this rank's pool, over the model's layers (kind kv or latent)."""
-        return self.layers[0].self_attn.layout(self.arch.num_layers)
+        """What one token needs in this rank's pool, over the model's paged layers (kind kv or
+        latent; a hybrid model's linear layers keep state slots instead)."""
+        return self.layers[self.arch.kv_layers[0]].self_attn.layout(len(self.arch.kv_layers))
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        """What one sequence needs in this rank's state pool, or None without linear layers."""
+        if not self.arch.linear_layers:
+            return None
+        mixer = self.layers[self.arch.linear_layers[0]].linear_attn
+        return StateLayout(num_layers=len(self.arch.linear_layers), conv_dim=mixer.conv_dim,
+                           conv_kernel_size=mixer.lin.conv_kernel_size, num_heads=mixer.num_v_heads,
+                           k_head_dim=mixer.lin.k_head_dim, v_head_dim=mixer.lin.v_head_dim)
+
+    def layer_pools(self, pages: list[torch.Tensor], state: StatePool | None) -> list:
+        """Per layer, what it reads and writes: its page pool (full-attention layers, in order) or its
+        state (``LayerState``, linear layers): the list ``forward`` takes as ``pools``."""
+        if state is None:
+            return pages
+        pools, paged, linear = [], iter(pages), iter(zip(state.conv, state.recurrent))
+        for i in range(self.arch.num_layers):
+            pools.append(LayerState(*next(linear)) if self.arch.mixer_of(i) == "linear_attention" else next(paged))
+        return pools + list(paged)  # a one-model drafter's layers come last
 
     @property
     def kernel_page_sizes(self) -> dict[str, frozenset[int]]:

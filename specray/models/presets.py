@@ -46,6 +46,17 @@ PRESETS: dict[str, dict] = {
                          rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=4.0, mscale=1.0,
                                               mscale_all_dim=1.0, original_max_position_embeddings=1024,
                                               beta_fast=1, beta_slow=1)),
+    # Qwen3-Next's shape, small: three Gated DeltaNet layers then one gated full-attention layer (its
+    # full_attention_interval 4, written out as layer_types), partial RoPE (a quarter of head_dim), 8 experts
+    # with a gated shared expert; no MTP module yet (speculation on hybrid targets is not built)
+    "tiny-qwen3-next": dict(_TINY, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=64,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"],
+                            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                            linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=128, shared_expert_intermediate_size=256, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[],
+                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
     "mid-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=1024,
                       intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                       head_dim=64, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096,

@@ -18,6 +18,7 @@ class StepPlan:
     finished: list[int] = field(default_factory=list)  # sequences to forget
     partial: list[int] = field(default_factory=list)  # rows of a prefill chunk short of the end: no sample
     cached_prefix: dict[int, list[int]] = field(default_factory=dict)  # prefix hit: the tokens its pages hold
+    state_rows: dict[int, int] = field(default_factory=dict)  # hybrid targets: committed state row, on admission
     # Speculative decoding only (empty otherwise):
     num_drafts: list[int] = field(default_factory=list)  # most drafts to propose and verify, per sequence
     new_draft_blocks: list[list[int]] = field(default_factory=list)  # pages appended to draft block tables

@@ -20,6 +20,7 @@ from specray.envs import rank_page_sizes, rank_value
 from specray.kv.agreement import RankReport, agree, verify
 from specray.kv.budget import rank_kv_budget_bytes
 from specray.kv.geometry import PoolGeometry, allocate_pool
+from specray.kv.state import StateGeometry, allocate_state_pool, num_state_slots
 from specray.models.arch import ModelArch
 from specray.models.attention import build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
@@ -58,10 +59,11 @@ class RankWorker:
         torch.manual_seed(config.seed)
         self.model = load_model(resolve_model(config.model, config.seed), ctx, config.dtype)
         self.drafter = build_drafter(config, ctx, self.model)
-        self.pools: list[torch.Tensor] = []  # target pool, one tensor per layer
+        self.pools: list = []  # target pool, per layer its pages (a tensor) or, linear layers, its LayerState
         self.draft_pools: list[torch.Tensor] = []  # standalone drafter's pool
-        self.geometry: dict[str, PoolGeometry] = {}
+        self.geometry: dict[str, PoolGeometry | StateGeometry] = {}
         self.block_tables: dict[int, list[int]] = {}
+        self.state_rows: dict[int, int] = {}  # hybrid targets: each sequence's committed state row
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}
         self.grammars = Grammars(self._tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.spec = SpecRunner(self) if self.drafter is not None else None  # speculative steps
@@ -98,14 +100,20 @@ class RankWorker:
     def init_pools(self) -> dict[str, PoolGeometry]:
         """Agree the pool geometry with every rank and allocate exactly that (collective)."""
         cfg, ctx = self.config, self.ctx
-        geometry = agree(ctx.cpu, self.report(), cfg.kv, cfg.spec.method, cfg.dtype)
+        # hybrid targets: a committed state row and one per draft position for every sequence (kv/state.py)
+        num_rows = num_state_slots(cfg.max_num_seqs, cfg.spec.num_draft_tokens if cfg.spec.is_enabled else 0)
+        geometry = agree(ctx.cpu, self.report(), cfg.kv, cfg.spec.method, cfg.dtype, num_state_slots=num_rows)
         extra = int(rank_value("SPECRAY_FAULT_KV_EXTRA_BLOCKS", ctx.rank) or 0)  # testing only
         if extra:
             geometry["target"] = replace(geometry["target"], num_blocks=geometry["target"].num_blocks + extra)
-        pools = {name: allocate_pool(g, ctx.device) for name, g in geometry.items()}
+        extra = int(rank_value("SPECRAY_FAULT_STATE_EXTRA_SLOTS", ctx.rank) or 0)  # testing only
+        if extra:
+            geometry["state"] = replace(geometry["state"], num_slots=geometry["state"].num_slots + extra)
+        pools = {name: allocate_state_pool(g, ctx.device) if isinstance(g, StateGeometry)
+                 else allocate_pool(g, ctx.device) for name, g in geometry.items()}
         verify(ctx.cpu, pools)
         self.geometry = geometry
-        self.pools = pools["target"]
+        self.pools = self.model.layer_pools(pools["target"], pools.get("state"))  # per layer: pages or state
         self.draft_pools = pools.get("draft", [])
         return geometry
 
@@ -138,7 +146,8 @@ class RankWorker:
             target_kernels = mla_kernel_rule(mla_kernel)
         return RankReport(rank=ctx.rank, node=socket.gethostname(), budget_bytes=budget, target_layout=layout,
                           target_kernels=target_kernels,
-                          draft_layout=draft_layout, draft_kernels=draft_kernels)
+                          draft_layout=draft_layout, draft_kernels=draft_kernels,
+                          state_layout=self.model.state_layout)
 
     @property
     def num_drafts(self) -> list[int] | None:
@@ -149,10 +158,12 @@ class RankWorker:
     def _apply_deltas(self, plan: StepPlan) -> None:
         for sid in plan.finished:
             self.block_tables.pop(sid, None)
+            self.state_rows.pop(sid, None)
             self.samplers.pop(sid, None)
             self.grammars.drop(sid)
         for sid in plan.preempted:
             self.block_tables[sid] = []
+        self.state_rows.update(plan.state_rows)
         for sid, (params, seed) in plan.new_seqs.items():
             gen = torch.Generator(device=self.ctx.device).manual_seed(seed)
             self.samplers[sid] = (params, gen)
@@ -217,6 +228,8 @@ class RankWorker:
         query_lens = [len(ids) for ids in plan.input_ids]
         positions, meta = build_metadata(tables, self.geometry["target"].tokens_per_block, plan.start_positions,
                                          query_lens, self.ctx.device)
+        if "state" in self.geometry:
+            meta.state_rows = [self.state_rows[sid] for sid in plan.seq_ids]
         ids = torch.tensor([t for seq in plan.input_ids for t in seq], dtype=torch.int64, device=self.ctx.device)
         if self.spec is None:
             hidden = self.model(ids, positions, self.pools, meta)
