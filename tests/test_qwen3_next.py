@@ -15,6 +15,7 @@ import torch
 from checkpoints import load_reference, make_checkpoint, reference_greedy
 from specray import LLM, AsyncLLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.models import qwen3_next
+from specray.models.linear_state import LayerState
 
 # around 16- and 32-token pages (15, 16, 17, 33), past one chunk of the chunked rule (64) and, with
 # the 48-token step budget below, prefilled in several steps (100, 130)
@@ -127,7 +128,7 @@ def test_states_after_prefill_match_transformers_cache(case):
         cache = reference(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           use_cache=True).past_key_values
     for layer, state in zip((0, 2), states):
-        assert isinstance(state, qwen3_next.LayerState)
+        assert isinstance(state, LayerState)
         # transformers keeps kernel_size inputs, the first of which no later step reads
         torch.testing.assert_close(state.conv[0], cache.get_conv_state(layer)[0, :, 1:], rtol=0, atol=1e-5)
         torch.testing.assert_close(state.recurrent[0], cache.get_recurrent_state(layer)[0], rtol=0, atol=1e-5)

@@ -41,6 +41,8 @@ class AttentionMetadata:
     causal: bool = True
     context_lens_list: list[int] = field(default_factory=list)  # context_lens as ints (filled if empty)
     state_rows: list[int] = field(default_factory=list)  # hybrid models: each sequence's state row (kv/state.py)
+    # hybrid models in a verify step: drafts fed per sequence (its linear layers keep a state per position)
+    num_drafts: list[int] = field(default_factory=list)
     # what kernels derive from the metadata, built by the first layer and reused by the others
     derived: dict = field(default_factory=dict, repr=False)
 

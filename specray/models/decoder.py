@@ -37,8 +37,8 @@ from specray.models.fused_decode import fused_kernels, fused_layers, fused_layer
 from specray.models.mla import MLA_CPU_PAGE_SIZES, MLAttention, rotary_for
 from specray.models.moe import DeepSeekMoE, MoE
 from specray.models.quant_weight import set_weight
-from specray.models.qwen3_next import (GatedDeltaNet, LayerState, SharedExpertMoE, ZeroCentredRMSNorm,
-                                       gated_attention_forward)
+from specray.models.linear_state import LayerState
+from specray.models.qwen3_next import GatedDeltaNet, SharedExpertMoE, ZeroCentredRMSNorm, gated_attention_forward
 from specray.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,

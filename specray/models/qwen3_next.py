@@ -31,7 +31,6 @@ Sharding (tp ranks; the key heads, and with them their value heads, split over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from specray.models.arch import ModelArch
 from specray.models.attention import AttentionMetadata, write_kv
 from specray.models.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rope, linear
+from specray.models.linear_state import LayerState, LinearPlan, linear_plan, store_snapshots
 from specray.models.moe import MoE
 
 PREFILL_CHUNK_SIZE = 64  # the chunked rule's chunk, as transformers' torch_chunk_gated_delta_rule
@@ -62,15 +62,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if dim == x.shape[-1]:
         return apply_rope(x, cos, sin)
     return torch.cat([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerState:
-    """One linear layer's slice of the state pool: ``conv [rows, conv_dim, K - 1]``,
-    ``recurrent [rows, heads, k_head_dim, v_head_dim]``."""
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
 
 
 def gated_attention_forward(attn, x, cos, sin, pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -100,40 +91,6 @@ def depthwise_causal_conv(inputs: torch.Tensor, weight: torch.Tensor) -> torch.T
     for j in range(1, taps):
         out = out.addcmul_(inputs[..., j:j + n], weight[:, :, j])
     return out
-
-
-@dataclass(slots=True)
-class _LinearPlan:
-    """How one step's sequences use the linear layers, the same for every layer: decode rows go
-    through the recurrent rule together, every other sequence (a prompt or a prefill chunk) alone
-    through the chunked rule."""
-
-    decode_tokens: torch.Tensor | None  # token rows of the decoding sequences
-    decode_rows: torch.Tensor | None  # their state rows
-    prefills: list[tuple[int, int, int, bool]]  # (first token, end token, state row, has state before)
-
-    @staticmethod
-    def build(meta: AttentionMetadata, device: torch.device) -> _LinearPlan:
-        if len(meta.state_rows) != len(meta.query_lens):
-            raise RuntimeError(f"a step over linear-attention layers needs a state row per sequence: "
-                               f"{len(meta.state_rows)} rows for {len(meta.query_lens)} sequences")
-        tokens, rows, prefills, start = [], [], [], 0
-        for n, ctx, row in zip(meta.query_lens, meta.context_lens_list, meta.state_rows):
-            if n == 1 and ctx > 1:
-                tokens.append(start)
-                rows.append(row)
-            else:
-                prefills.append((start, start + n, row, ctx > n))
-            start += n
-        as_tensor = (lambda xs: torch.tensor(xs, dtype=torch.int64, device=device) if xs else None)
-        return _LinearPlan(as_tensor(tokens), as_tensor(rows), prefills)
-
-
-def linear_plan(meta: AttentionMetadata, device: torch.device) -> _LinearPlan:
-    plan = meta.derived.get("linear")
-    if plan is None:
-        plan = meta.derived["linear"] = _LinearPlan.build(meta, device)
-    return plan
 
 
 class GatedDeltaNet(nn.Module):
@@ -171,15 +128,17 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.reshape(-1, dv)) * F.silu(z.reshape(-1, dv).float())
         return self.out_proj(out.to(x.dtype).view(n, -1))
 
-    def _conv(self, mixed: torch.Tensor, windows: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
+    def _conv(self, mixed: torch.Tensor, windows: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
         """silu(causal depthwise conv1d) of the step's [q | k | v] rows, each sequence continuing
-        its window (zeros at position 0); the windows are updated in place."""
+        its window (zeros at position 0); the windows are updated in place (a verify row keeps the
+        window ending at each of its positions, ``linear_state.py``)."""
         out = torch.empty_like(mixed)
         channels, width = self.conv_dim, self.lin.conv_kernel_size - 1
-        if plan.decode_tokens is not None:
-            inputs = torch.cat([windows[plan.decode_rows].to(mixed.dtype), mixed[plan.decode_tokens, :, None]], dim=-1)
-            out[plan.decode_tokens] = depthwise_causal_conv(inputs, self.conv_weight)[:, :, 0]
-            windows[plan.decode_rows] = inputs[:, :, 1:].float()
+        for group in plan.recurrent:
+            n = group.length  # inputs [S, C, K - 1 + n]: the window, then the group's tokens
+            inputs = torch.cat([windows[group.rows].to(mixed.dtype), mixed[group.tokens].transpose(1, 2)], dim=-1)
+            out[group.tokens] = depthwise_causal_conv(inputs, self.conv_weight).transpose(1, 2)
+            store_snapshots(windows, group, inputs.unfold(-1, width, 1)[:, :, 1:].transpose(1, 2))
         for s, e, row, has_state in plan.prefills:
             before = windows[row].to(mixed.dtype) if has_state else mixed.new_zeros(channels, width)
             inputs = torch.cat([before, mixed[s:e].T], dim=-1)[None]
@@ -187,15 +146,16 @@ class GatedDeltaNet(nn.Module):
             windows[row] = inputs[0, :, -width:].float()
         return F.silu(out)
 
-    def _delta(self, q, k, v, g, beta, states: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
-        """The delta rule per sequence from its state row (zeros at position 0); rows updated in place."""
+    def _delta(self, q, k, v, g, beta, states: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+        """The delta rule per sequence from its state row (zeros at position 0); rows updated in
+        place (a verify row's state after each position, ``linear_state.py``)."""
         out = torch.empty_like(v)
-        d = plan.decode_tokens
-        if d is not None:
-            o, new = recurrent_gated_delta_rule(q[d, None], k[d, None], v[d, None], g[d, None], beta[d, None],
-                                                initial_state=states[plan.decode_rows], l2_normalize_qk=True)
-            out[d] = o[:, 0]
-            states[plan.decode_rows] = new
+        for group in plan.recurrent:
+            t = group.tokens
+            o, after = recurrent_gated_delta_rule(q[t], k[t], v[t], g[t], beta[t], initial_state=states[group.rows],
+                                                  l2_normalize_qk=True, return_all_states=True)
+            out[t] = o
+            store_snapshots(states, group, after)
         for s, e, row, has_state in plan.prefills:
             o, new = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e],
                                             initial_state=states[row][None] if has_state else None,

@@ -110,7 +110,7 @@ class SpecRunner:
         inputs = [list(ids) + drafts.get(i, []) for i, ids in enumerate(plan.input_ids)]
         self.num_drafts = [len(drafts.get(i, [])) for i in range(len(inputs))]
         logits, features = self._score(plan, inputs, self.num_drafts)
-        out, rows, offset, first_row = [], [], 0, 0
+        out, rows, offset, first_row, accepted = [], [], 0, 0, []
         for i, sid in enumerate(plan.seq_ids):
             nd = self.num_drafts[i]
             rows.append(logits[offset:offset + nd + 1])
@@ -119,13 +119,16 @@ class SpecRunner:
             else:
                 new = self._verify(sid, rows[-1], drafts.get(i, []), draft_probs.get(i))
             offset += nd + 1
-            self._keep(i, sid, plan, max(len(new) - 1, 0), features, first_row)
+            accepted.append(max(len(new) - 1, 0))
+            self._keep(i, sid, plan, accepted[-1], features, first_row)
             first_row += len(inputs[i])
             if self._draft_log is not None and i in drafts:
                 with self._draft_log.open("a") as f:
                     f.write(json.dumps([sid, len(self.tokens[sid]), drafts[i], len(new) - 1]) + "\n")
             self.tokens[sid].extend(new)
             out.append(new)
+        if "state" in self.worker.geometry:  # hybrid target: keep the state after the accepted drafts only
+            self.worker.commit_states(plan.seq_ids, self.num_drafts, accepted)
         # verify row j holds the target's logits at the position of new token j (accepted or bonus)
         self.worker.step_logprobs = self.worker.output_logprobs(plan.seq_ids, rows, out)
         return out
@@ -192,6 +195,8 @@ class SpecRunner:
         tables = [w.block_tables[sid] for sid in plan.seq_ids]
         positions, meta = build_metadata(tables, w.geometry["target"].tokens_per_block, plan.start_positions,
                                          lens, dev)
+        if "state" in w.geometry:  # a verify row's linear layers keep the state after each position
+            meta.state_rows, meta.num_drafts = [w.state_rows[sid] for sid in plan.seq_ids], list(num_drafts)
         ids = torch.tensor([t for x in inputs for t in x], dtype=torch.int64, device=dev)
         hidden, features = self._forward(ids, positions, meta)
         w.step_prompt_logprobs = compute_prompt_logprobs(

@@ -27,6 +27,7 @@ from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
 from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
+from specray.models.linear_state import commit_accepted
 from specray.models.loader import load_model
 from specray.models.mla import mla_kernel_rule
 from specray.models.presets import is_preset, resolve_model
@@ -197,6 +198,12 @@ class RankWorker:
             check_same_on_every_rank(self.ctx.cpu, (self.num_steps, self.token_digest, self.table_digest),
                                      "(steps, token digest, block-table digest) at the end of the generate call")
         return tokens
+
+    def commit_states(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
+        """After a verify on a hybrid target, commit in every linear layer the state after each
+        sequence's accepted drafts (``models/linear_state.py``); every rank accepted the same."""
+        states = [self.pools[i] for i in self.arch.linear_layers]
+        commit_accepted(states, [self.state_rows[sid] for sid in seq_ids], num_drafts, num_accepted)
 
     def num_top(self, sid: int, prompt: bool = False) -> int | None:
         """How many top log-probabilities sequence ``sid`` asked for (None: none at all)."""

@@ -59,11 +59,6 @@ def check_drafter(config: EngineConfig, target: ModelArch) -> None:
     before any rank starts, so a bad drafter fails in a moment rather than after every rank
     has loaded the target; the ranks check the same again as they load, plus every tensor."""
     spec = config.spec
-    if spec.method is not None and target.linear_layers:
-        # a verify would advance the linear layers' state past rejected drafts; committing the
-        # accepted position's state (the snapshot rows kv/state.py reserves) is not built yet
-        raise ValueError(f"spec.method {spec.method!r}: speculative decoding on a hybrid linear-attention target "
-                         f"({target.architecture}) is not supported yet; use plain decoding (spec method None)")
     if spec.method in (None, "ngram"):
         return
     path = _checkpoint_of(config)
