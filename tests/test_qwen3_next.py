@@ -236,10 +236,17 @@ def test_budget_too_small_for_the_slots_is_a_clear_error(case):
         LLM(config(directory, kv=KVConfig(cpu_max_bytes=100_000), max_num_seqs=64))
 
 
-def test_speculation_on_a_hybrid_target_is_refused_before_any_rank_starts(case):
-    with pytest.raises(ValueError, match=r"speculative decoding on a hybrid linear-attention target "
-                                         r"\(Qwen3NextForCausalLM\) is not supported yet"):
-        LLM(config(case[0], spec=SpecConfig(method="ngram", num_draft_tokens=3)))
+def test_ngram_speculation_keeps_the_greedy_tokens(case):
+    # repeated prompts give the n-gram drafter something to find, so verify rows (and their state
+    # commits, tests/test_hybrid_rollback.py) occur beside plain decode rows and prefill chunks
+    directory, prompts, expected, reference = case
+    repeated = [p[:6] * 4 for p in prompts[:3]]
+    spec = SpecConfig(method="ngram", num_draft_tokens=3)
+    with LLM(config(directory, spec=spec, max_num_batched_tokens=48)) as llm:
+        outs = llm.generate(prompts[:3] + repeated, GREEDY)
+        assert_no_slot_held(llm._engine)
+    assert [o.token_ids for o in outs[:3]] == expected[:3]
+    assert [o.token_ids for o in outs[3:]] == [reference_greedy(reference, p, NEW_TOKENS) for p in repeated]
 
 
 def test_preset_matches_transformers():
