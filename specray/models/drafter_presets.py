@@ -229,13 +229,32 @@ def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dic
     return {name: t for name, t in weights.items() if kept(name)}
 
 
+def early_exit_draft(cfg: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, weights) of a one-layer draft model cut from a target: its first layer, or for a
+    hybrid target (``layer_types``) its first full-attention layer renumbered 0, since a draft model
+    keeps its KV in a paged pool and has no state slots (``draft_model.py``)."""
+    types = cfg.get("layer_types")
+    if not types or "full_attention" not in types:
+        draft = dict(cfg, num_hidden_layers=1)
+        draft.pop("layer_types", None)
+        return draft, early_exit_weights(weights, 1)
+    layer = types.index("full_attention")
+    prefix = f"model.layers.{layer}."
+    kept = {name.replace(prefix, "model.layers.0.", 1): t for name, t in weights.items()
+            if name.startswith(prefix) or not name.startswith("model.layers.")}
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    is_moe = layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+    return dict(cfg, num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[] if is_moe else [0],
+                decoder_sparse_step=1), kept
+
+
 def drafter_preset(target_cfg: dict, target_name: str, method: str,
                    seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, weights) of the drafter preset for the target preset ``target_name`` (config ``target_cfg``)."""
     if method == "mtp":
         return mtp_checkpoint(target_cfg, random_weights(target_cfg, seed), seed)
     if method == "draft_model":
-        return dict(target_cfg, num_hidden_layers=1), early_exit_weights(random_weights(target_cfg, seed), 1)
+        return early_exit_draft(target_cfg, random_weights(target_cfg, seed))
     cfg = head_config(method, arch_from_hf_config(target_cfg, source=target_name))
     return cfg, head_weights(method, cfg, seed)
 
@@ -256,9 +275,7 @@ def write_drafter_for(target_dir: str | Path, method: str, directory: str | Path
         write_checkpoint(directory, *mtp_checkpoint(target_cfg, weights, seed, **options))
         return directory
     if method == "draft_model":
-        cfg = dict(target_cfg, num_hidden_layers=1)
-        cfg.pop("layer_types", None)
-        write_checkpoint(directory, cfg, early_exit_weights(weights, 1))
+        write_checkpoint(directory, *early_exit_draft(target_cfg, weights))
         return directory
     cfg = head_config(method, arch_from_hf_config(target_cfg, source=str(target_dir / "config.json")))
     write_checkpoint(directory, cfg, head_weights(method, cfg, seed))

@@ -35,6 +35,11 @@ class DraftModelDrafter(nn.Module):
     @classmethod
     def load(cls, path, ctx: DistContext, dtype: str, target: CausalLM) -> DraftModelDrafter:
         check_vocabulary(path, target.arch)
+        arch = read_model_arch(path)
+        if arch.linear_layers:
+            raise ValueError(f"draft model {str(path)!r} has linear-attention layers {list(arch.linear_layers)}: a "
+                             f"draft model keeps its KV in a paged pool and has no state slots; use a draft model "
+                             f"of full-attention layers (a hybrid target's own early-exit preset keeps one)")
         return cls(load_model(path, ctx, dtype, kernel=block_decode_attention))
 
     def _forward(self, batch: DraftBatch, ids: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
