@@ -86,9 +86,10 @@ def _strengthen_linear_layers(model, gen: torch.Generator) -> None:
 
 def _strengthen_kda_layers(model, gen: torch.Generator) -> None:
     """Kimi Linear at transformers' init forgets fast (A up to 16) and its KDA outputs are small
-    beside the residual stream, as Qwen3-Next's (above): long memory (A in [0.01, 0.5]), larger
-    q/k/v and output projections in the KDA layers, and norms moved off 1 make a lost state, a
-    wrong window or a wrong norm change greedy tokens."""
+    beside the residual stream (its short convs start at N(0, 0.02): values of ~0.03), as
+    Qwen3-Next's (above): long memory (A in [0.01, 0.5]), larger q/k/v, conv and output weights in
+    the KDA layers, and norms moved off 1 make a lost state, a wrong window or a wrong norm change
+    greedy tokens."""
     kda = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
     scaled = tuple(f"layers.{i}.self_attn.{n}_proj.weight" for i in kda for n in ("q", "k", "v", "o"))
     with torch.no_grad():
@@ -99,6 +100,8 @@ def _strengthen_kda_layers(model, gen: torch.Generator) -> None:
                 param.copy_(torch.empty(param.shape).uniform_(0.01, 0.5, generator=gen).log())
             elif name.endswith(scaled):
                 param.mul_(5.0)
+            elif name.endswith("self_attn.conv1d.weight"):
+                param.mul_(10.0)
 
 
 def load_reference(directory: Path):
