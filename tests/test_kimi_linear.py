@@ -198,6 +198,60 @@ def test_ngram_speculation_matches_plain_greedy(case, monkeypatch):
     assert uncommitted != expected[:2]
 
 
+def test_ngram_speculation_at_tp2_matches_plain_greedy(case):
+    # the same verify and commit on every rank, each over its own KDA heads' state rows
+    directory, prompts, expected, _ = case
+    spec = SpecConfig(method="ngram", num_draft_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    with LLM(config(directory, tp=2, spec=spec, max_num_batched_tokens=48)) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics["num_verify_steps"] for o in outs) > 0
+
+
+def _scripted_propose(references: list[list[int]], k: int):
+    """A drafter's ``propose`` that drafts each sequence's reference continuation with one planted
+    error at position j (j = k: none), j cycling over steps and sequences, so every acceptance
+    count 0..k occurs inside the batches."""
+    calls = []
+
+    def propose(self, batch, choose):
+        calls.append(None)
+        drafts = []
+        for i, seq in enumerate(batch.seqs):
+            # a sequence off every reference (a wrong token was kept) gets no drafts: its output shows it
+            ref = next((r for r in references if r[:len(seq.tokens)] == list(seq.tokens)), [])
+            d = list(ref[len(seq.tokens):len(seq.tokens) + batch.k])
+            j = (len(calls) + i) % (k + 1)
+            if j < len(d):
+                d[j] = (d[j] + 1) % 384
+            drafts.append(d)
+        return drafts
+
+    return propose
+
+
+def test_verify_commits_every_acceptance_count(case, monkeypatch):
+    # KDA's verify rows through linear_state.py: n of the k drafts accepted for every n in 0..k in
+    # the same batches; the committed state must be the one after exactly the accepted tokens
+    from specray.models.drafters import ngram
+    from specray.workers import worker
+
+    directory, prompts, expected, _ = case
+    k = 3
+    monkeypatch.setattr(ngram.NgramDrafter, "propose",
+                        _scripted_propose([p + e for p, e in zip(prompts, expected)], k))
+    spec = SpecConfig(method="ngram", num_draft_tokens=k)
+    with LLM(config(directory, spec=spec, max_num_batched_tokens=48)) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    histogram = [sum(o.metrics["acceptance_histogram"][n] for o in outs) for n in range(k + 1)]
+    assert all(count > 0 for count in histogram), histogram
+    monkeypatch.setattr(worker, "commit_accepted", lambda *a, **kw: None)  # mutation: no commit
+    with LLM(config(directory, spec=spec, max_num_batched_tokens=48)) as llm:
+        uncommitted = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert uncommitted != expected
+
+
 @pytest.mark.parametrize("moe_tp,moe_ep", [(2, 1), (1, 2)])
 def test_tp2_matches_transformers(case, moe_tp, moe_ep):
     directory, prompts, expected, _ = case
