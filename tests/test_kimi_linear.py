@@ -108,6 +108,19 @@ def test_chunked_and_recurrent_rules_match_transformers():
     torch.testing.assert_close(chunk_state, ref_state, rtol=0, atol=1e-5)
 
 
+def test_bfloat16_keeps_the_state_and_the_decay_bias_in_float32(case):
+    directory, prompts, _, _ = case
+    with LLM(config(directory, dtype="bfloat16", max_num_batched_tokens=48)) as llm:
+        out = llm.generate(prompts[4:5], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+        worker = llm._engine.worker
+        state, kda = worker.pools[0], worker.model.layers[0].self_attn
+        geometry = llm.geometry
+    assert len(out.token_ids) == 16
+    assert state.conv.dtype == state.recurrent.dtype == torch.float32 and state.recurrent.abs().sum() > 0
+    assert kda.dt_bias.dtype == torch.float32 and kda.qkv.weight.dtype == torch.bfloat16
+    assert geometry["target"].dtype == "bfloat16" and geometry["state"].dtype == "float32"
+
+
 @pytest.mark.parametrize("tokens_per_block,budget", [(16, 48), (32, None)])
 def test_greedy_matches_transformers(case, tokens_per_block, budget):
     directory, prompts, expected, _ = case

@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specray.errors import require_keys
-from specray.models.hybrid_arch import (KIMI_LAYER_MIXERS, GatedDeltaArch, kimi_config, kimi_layer_types, read_gated_delta,
-                                        read_kda, read_layer_mixers, read_mlp_layer_types, read_rotary_dim)
+from specray.models.hybrid_arch import (KIMI_LAYER_MIXERS, GatedDeltaArch, kimi_config, kimi_layer_types,
+                                        read_gated_delta, read_kda, read_layer_mixers, read_mlp_layer_types,
+                                        read_rotary_dim)
 from specray.models.mla_arch import GroupedRouter, MLAArch, YarnRope, read_mla, read_router, read_yarn
 
 

@@ -28,7 +28,8 @@ def random_kimi_linear_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     for i, kind in enumerate(types):
         p = f"model.layers.{i}"
         w.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h)})
-        w.update(_kda(cfg, f"{p}.self_attn", normal) if kind == "linear_attention" else _mla(cfg, f"{p}.self_attn", normal))
+        mixer = _kda if kind == "linear_attention" else _mla
+        w.update(mixer(cfg, f"{p}.self_attn", normal))
         w.update(_moe(cfg, f"{p}.block_sparse_moe", normal) if i in moe else _mlp(h, cfg["intermediate_size"],
                                                                                    f"{p}.mlp", normal))
     return w

@@ -28,6 +28,9 @@ Sharding (tp ranks):
 | norms               | replicated                     | -               |
 | o_proj              | input columns (heads)          | all_reduce (tp) |
 
+Kimi Linear's full-attention layers are this MLA without positional encoding (``MLAArch.has_rope``
+false): q_rot and k_rot keep their widths and pass unrotated (``no_rope``).
+
 The latent projections and the latent cache are the same on every rank (docs/parallelism.md
 says what that costs).
 """
