@@ -55,6 +55,17 @@ def test_checkpoint_has_the_shapes_under_test(case):
     assert arch.kv_bytes_per_token(4, 1) == 1 * 40 * 4  # one MLA layer's latent row
 
 
+def test_rope_scaling_changes_nothing_as_in_transformers(case):
+    # KimiLinearAttention has no rotary embedding and scales by qk_head_dim^-0.5: a YaRN entry in the
+    # config (which would scale DeepSeek-V3's softmax) is ignored, as transformers ignores it
+    from specray.models.arch import arch_from_hf_config
+
+    cfg = json.loads((case[0] / "config.json").read_text())
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                original_max_position_embeddings=256)
+    assert arch_from_hf_config(dict(cfg, rope_parameters=yarn)) == arch_from_hf_config(cfg)
+
+
 def test_config_errors_name_the_value_and_the_rule(case):
     from specray.launch.mapping import validate_mapping
     from specray.models.arch import arch_from_hf_config

@@ -276,5 +276,7 @@ def _kimi_linear_arch(cfg: dict, architecture: str, rope: dict, source: str) -> 
     moe_layers = read_mlp_layer_types(cfg, source) if base.num_experts else ()
     if len(moe_layers) < base.num_layers and not base.intermediate_size:
         raise ValueError(f"{source}: missing key 'intermediate_size' (the MLP width of the dense layers)")
-    return replace(base, mixers=mixers, mla=replace(base.mla, has_rope=False), linear=read_kda(cfg, source),
-                   moe_layers=moe_layers)
+    # no RoPE tables and no YaRN softmax factor: transformers' KimiLinearAttention scales by
+    # qk_head_dim^-0.5 whatever rope_scaling says
+    return replace(base, mixers=mixers, mla=replace(base.mla, has_rope=False), yarn=None,
+                   linear=read_kda(cfg, source), moe_layers=moe_layers)
