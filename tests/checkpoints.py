@@ -38,6 +38,15 @@ FAMILIES["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
     linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
     linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=True))
+# Kimi Linear: layer types given explicitly in linear_attn_config (KimiLinearConfig's default for 4 layers is
+# all KDA, which transformers cannot run): KDA, KDA, MLA without RoPE, KDA; 4 KDA heads of 16; the first layer
+# dense, the others DeepSeek-routed MoE (8 experts, one group, a shared expert); a plain q_proj as Kimi Linear has
+FAMILIES["kimi_linear"] = ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+    num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, q_lora_rank=None, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    moe_intermediate_size=32, n_group=1, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+    linear_attn_config=dict(head_dim=16, num_heads=4, short_conv_kernel_size=4, kda_layers=[1, 2, 4],
+                            full_attn_layers=[3])))
 
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
@@ -53,6 +62,8 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) ->
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
     if family == "qwen3_next":
         _strengthen_linear_layers(model, gen)
+    if family == "kimi_linear":
+        _strengthen_kda_layers(model, gen)
     model.save_pretrained(directory)
     return Path(directory)
 
@@ -71,6 +82,26 @@ def _strengthen_linear_layers(model, gen: torch.Generator) -> None:
                 param.copy_(torch.empty(param.shape).uniform_(0.01, 0.5, generator=gen).log())
             elif name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.out_proj.weight")):
                 param.mul_(5.0)
+
+
+def _strengthen_kda_layers(model, gen: torch.Generator) -> None:
+    """Kimi Linear at transformers' init forgets fast (A up to 16) and its KDA outputs are small
+    beside the residual stream (its short convs start at N(0, 0.02): values of ~0.03), as
+    Qwen3-Next's (above): long memory (A in [0.01, 0.5]), larger q/k/v, conv and output weights in
+    the KDA layers, and norms moved off 1 make a lost state, a wrong window or a wrong norm change
+    greedy tokens."""
+    kda = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    scaled = tuple(f"layers.{i}.self_attn.{n}_proj.weight" for i in kda for n in ("q", "k", "v", "o"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.01, 0.5, generator=gen).log())
+            elif name.endswith(scaled):
+                param.mul_(5.0)
+            elif name.endswith("self_attn.conv1d.weight"):
+                param.mul_(10.0)
 
 
 def load_reference(directory: Path):

@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specray.errors import require_keys
-from specray.models.hybrid_arch import GatedDeltaArch, read_gated_delta, read_layer_mixers, read_rotary_dim
+from specray.models.hybrid_arch import (KIMI_LAYER_MIXERS, GatedDeltaArch, kimi_config, kimi_layer_types,
+                                        read_gated_delta, read_kda, read_layer_mixers, read_mlp_layer_types,
+                                        read_rotary_dim)
 from specray.models.mla_arch import GroupedRouter, MLAArch, YarnRope, read_mla, read_router, read_yarn
 
 
@@ -26,6 +28,9 @@ class Family:
     mixer: str = "attention"  # the token mixer of its layers: "attention" (GQA, K/V pool) or "mla" (latent pool)
     is_hybrid: bool = False  # per-layer mixers from layer_types: gated attention and linear attention (state slots)
     router: str = "softmax"  # "softmax" top-k, or "grouped_sigmoid" (DeepSeekMoE: bias, groups, shared experts)
+    # where a dense layer's MLP may sit, first found wins: Kimi Linear's own checkpoints say "mlp", and
+    # transformers' save_pretrained writes "block_sparse_moe" (its load-time renaming, reversed)
+    dense_prefixes: tuple[str, ...] = ("mlp",)
 
 
 FAMILIES: dict[str, Family] = {
@@ -40,10 +45,15 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family(has_qk_norm=False, moe_prefix="mlp", mixer="mla", router="grouped_sigmoid"),
     # gated attention and Gated DeltaNet layers as layer_types says; MoE with a sigmoid-gated shared expert
     "Qwen3NextForCausalLM": Family(has_qk_norm=True, moe_prefix="mlp", mixer="gated_attention", is_hybrid=True),
+    # KDA and MLA-without-RoPE layers as layer_types says; DeepSeek's router; dense or MoE per mlp_layer_types
+    "KimiLinearForCausalLM": Family(has_qk_norm=False, moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
+                                    mixer="mla", is_hybrid=True, router="grouped_sigmoid",
+                                    dense_prefixes=("mlp", "block_sparse_moe")),
 }
 # "gated_attention": GQA with an output gate from q_proj (Qwen3-Next's full attention, K/V pool);
-# "linear_attention": Gated DeltaNet over a state slot (kv/state.py)
-MIXERS = ("attention", "mla", "gated_attention", "linear_attention")
+# "linear_attention": Gated DeltaNet over a state slot (kv/state.py); "kda": Kimi Linear's KDA over one
+MIXERS = ("attention", "mla", "gated_attention", "linear_attention", "kda")
+LINEAR_MIXERS = ("linear_attention", "kda")  # the mixers over state slots rather than pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +92,7 @@ class ModelArch:
             raise ValueError(f"mixers {self.mixers} must name one of {MIXERS} for each of the {self.num_layers} layers")
         if self.mla is None and "mla" in self.mixers:
             raise ValueError("an MLA layer needs the MLA record (mla)")
-        if self.linear is None and "linear_attention" in self.mixers:
+        if self.linear is None and any(m in LINEAR_MIXERS for m in self.mixers):
             raise ValueError("a linear-attention layer needs the GatedDeltaArch record (linear)")
 
     @property
@@ -104,11 +114,11 @@ class ModelArch:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers whose K/V (or latent rows) live in the paged pool: all but linear attention,
         whose per-sequence state lives in state slots instead."""
-        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) != "linear_attention")
+        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) not in LINEAR_MIXERS)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) == "linear_attention")
+        return tuple(i for i in range(self.num_layers) if self.mixer_of(i) in LINEAR_MIXERS)
 
     @property
     def is_moe(self) -> bool:
@@ -118,7 +128,7 @@ class ModelArch:
         """Bytes one token's K and V (MLA: its latent row, on every rank whole) take on one rank,
         over all layers."""
         if self.mla is not None:
-            return self.num_layers * self.mla.latent_dim * dtype_size
+            return len(self.kv_layers) * self.mla.latent_dim * dtype_size
         kv_heads = max(self.num_kv_heads // tp_size, 1)
         return 2 * len(self.kv_layers) * kv_heads * self.head_dim * dtype_size
 
@@ -159,6 +169,8 @@ def arch_from_hf_config(cfg: dict, source: str = "config") -> ModelArch:
         raise ValueError(f"{source}: rope_type {rope_type!r} is not supported for {supported[0]}; "
                          f"supported: {list(allowed)}")
     require_keys(cfg, REQUIRED_KEYS, source)
+    if family.mixer == "mla" and family.is_hybrid:
+        return _kimi_linear_arch(cfg, supported[0], rope, source)
     if family.mixer == "mla":
         return _mla_arch(cfg, supported[0], rope, source)
     if family.is_hybrid:
@@ -248,3 +260,23 @@ def _hybrid_arch(cfg: dict, base: ModelArch, rope: dict, source: str) -> ModelAr
     return replace(base, architecture="Qwen3NextForCausalLM", mixers=mixers, linear=read_gated_delta(cfg, source),
                    rotary_dim=read_rotary_dim(cfg, rope, base.head_dim, source), is_zero_centred_norm=True,
                    shared_expert_intermediate_size=shared)
+
+
+def _kimi_linear_arch(cfg: dict, architecture: str, rope: dict, source: str) -> ModelArch:
+    """Kimi Linear: the DeepSeek-V3 record (MLA, DeepSeekMoE router) read by the same code from the
+    config with Kimi's key spellings mapped, plus per-layer mixers (KDA or MLA), the KDA shape, MLA
+    without RoPE (transformers' KimiLinearAttention never rotates; ``mla_use_nope`` in the
+    checkpoint's config says so) and the MoE layers of ``mlp_layer_types``."""
+    cfg = kimi_config(cfg)
+    if cfg.get("mla_use_nope") is False:
+        raise ValueError(f"{source}: mla_use_nope false (RoPE in the full-attention layers) is not supported: "
+                         f"Kimi Linear's MLA layers use no positional encoding")
+    mixers = read_layer_mixers(cfg, source, KIMI_LAYER_MIXERS, kimi_layer_types(cfg, source))
+    base = _mla_arch(dict(cfg, first_k_dense_replace=0), architecture, rope, source)
+    moe_layers = read_mlp_layer_types(cfg, source) if base.num_experts else ()
+    if len(moe_layers) < base.num_layers and not base.intermediate_size:
+        raise ValueError(f"{source}: missing key 'intermediate_size' (the MLP width of the dense layers)")
+    # no RoPE tables and no YaRN softmax factor: transformers' KimiLinearAttention scales by
+    # qk_head_dim^-0.5 whatever rope_scaling says
+    return replace(base, mixers=mixers, mla=replace(base.mla, has_rope=False), yarn=None,
+                   linear=read_kda(cfg, source), moe_layers=moe_layers)

@@ -1,7 +1,7 @@
 """The decoder shared by every supported family (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 /
-Kimi-K2, Qwen3-Next). A layer is assembled from parts the architecture record names: its token
-mixer (``Attention`` here, gated or not, ``MLAttention`` in mla.py, ``GatedDeltaNet`` in
-qwen3_next.py) and its MLP (dense here, ``MoE``, ``DeepSeekMoE`` in moe.py or
+Kimi-K2, Qwen3-Next, Kimi Linear). A layer is assembled from parts the architecture record names:
+its token mixer (``Attention`` here, gated or not, ``MLAttention`` in mla.py, ``GatedDeltaNet`` in
+qwen3_next.py, ``KimiDeltaAttention`` in kimi_linear.py) and its MLP (dense here, ``MoE``, ``DeepSeekMoE`` in moe.py or
 ``SharedExpertMoE`` in qwen3_next.py). Their sharding tables are in those files.
 
 Sharding over the tensor-parallel group (tp ranks, moe_tp * moe_ep == tp):
@@ -36,6 +36,7 @@ from specray.models.cpu_kernels import kernels_for
 from specray.models.fused_decode import fused_kernels, fused_layers, fused_layers_enabled
 from specray.models.mla import MLA_CPU_PAGE_SIZES, MLAttention, rotary_for
 from specray.models.moe import DeepSeekMoE, MoE
+from specray.models.kimi_linear import KimiDeltaAttention
 from specray.models.quant_weight import set_weight
 from specray.models.linear_state import LayerState
 from specray.models.qwen3_next import GatedDeltaNet, SharedExpertMoE, ZeroCentredRMSNorm, gated_attention_forward
@@ -129,18 +130,21 @@ class DecoderLayer(nn.Module):
         dev, norm = ctx.device, norm_class(arch)
         self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         # the record's per-layer mixer: (gated) GQA attention over a K/V pool, MLA over a latent pool,
-        # or Gated DeltaNet over a state slot; the checkpoint names the last one linear_attn
+        # or Gated DeltaNet / KDA over a state slot; Qwen3-Next's checkpoints name Gated DeltaNet
+        # linear_attn, Kimi Linear's name KDA self_attn
         mixer = arch.mixer_of(index)
         self.mixer_name = "linear_attn" if mixer == "linear_attention" else "self_attn"
         if mixer == "mla":
             self.self_attn = MLAttention(arch, ctx, dtype)
         elif mixer == "linear_attention":
             self.linear_attn = GatedDeltaNet(arch, ctx, dtype)
+        elif mixer == "kda":
+            self.self_attn = KimiDeltaAttention(arch, ctx, dtype)
         else:
             self.self_attn = Attention(arch, ctx, dtype, kernel, is_gated=mixer == "gated_attention")
         self.post_attention_layernorm = norm(arch.hidden_size, arch.rms_norm_eps, dtype, dev)
         self.is_moe = index in arch.moe_layers
-        self.mlp_prefix = arch.family.moe_prefix if self.is_moe else "mlp"
+        self.mlp_prefixes = (arch.family.moe_prefix,) if self.is_moe else arch.family.dense_prefixes
         if self.is_moe and arch.shared_expert_intermediate_size:
             self.mlp = SharedExpertMoE(arch, ctx, dtype)
         elif self.is_moe and arch.router is not None:
@@ -156,7 +160,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
         getattr(self, self.mixer_name).load(reader, f"{prefix}.{self.mixer_name}")
-        self.mlp.load(reader, f"{prefix}.{self.mlp_prefix}")
+        mlp = next((p for p in self.mlp_prefixes if reader.has(f"{prefix}.{p}.gate_proj.weight")), self.mlp_prefixes[0])
+        self.mlp.load(reader, f"{prefix}.{mlp}")
 
 
 class CausalLM(nn.Module):
@@ -192,7 +197,8 @@ class CausalLM(nn.Module):
         """What one sequence needs in this rank's state pool, or None without linear layers."""
         if not self.arch.linear_layers:
             return None
-        mixer = self.layers[self.arch.linear_layers[0]].linear_attn
+        layer = self.layers[self.arch.linear_layers[0]]
+        mixer = getattr(layer, layer.mixer_name)  # Gated DeltaNet or KDA: the same state layout
         return StateLayout(num_layers=len(self.arch.linear_layers), conv_dim=mixer.conv_dim,
                            conv_kernel_size=mixer.lin.conv_kernel_size, num_heads=mixer.num_v_heads,
                            k_head_dim=mixer.lin.k_head_dim, v_head_dim=mixer.lin.v_head_dim)
@@ -203,8 +209,9 @@ class CausalLM(nn.Module):
         if state is None:
             return pages
         pools, paged, linear = [], iter(pages), iter(zip(state.conv, state.recurrent))
+        linear_layers = set(self.arch.linear_layers)
         for i in range(self.arch.num_layers):
-            pools.append(LayerState(*next(linear)) if self.arch.mixer_of(i) == "linear_attention" else next(paged))
+            pools.append(LayerState(*next(linear)) if i in linear_layers else next(paged))
         return pools + list(paged)  # a one-model drafter's layers come last
 
     @property

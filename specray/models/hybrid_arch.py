@@ -1,12 +1,14 @@
 """The parts of the architecture record that only hybrid linear-attention models have
-(``Qwen3NextForCausalLM``), read from their ``config.json`` once, with every rule checked there
-so that a bad config fails on the driver before any rank starts.
+(``Qwen3NextForCausalLM``, ``KimiLinearForCausalLM``), read from their ``config.json`` once, with
+every rule checked there so that a bad config fails on the driver before any rank starts.
 
-- ``layer_types`` names each layer's token mixer: ``full_attention`` (gated attention over the
-  paged K/V pool) or ``linear_attention`` (Gated DeltaNet over a state slot, ``kv/state.py``);
+- ``layer_types`` names each layer's token mixer: ``full_attention`` (Qwen3-Next: gated attention
+  over the paged K/V pool; Kimi Linear: MLA without RoPE over the latent pool) or
+  ``linear_attention`` (Gated DeltaNet, or Kimi Linear's KDA, over a state slot, ``kv/state.py``);
   the record keeps it as the per-layer ``mixers`` tuple, not a family flag.
 - ``GatedDeltaArch``: the linear-attention heads, the conv kernel and the grouping of value heads
-  per key head (``in_proj_qkvz`` and ``in_proj_ba`` are laid out per key head).
+  per key head (``in_proj_qkvz`` and ``in_proj_ba`` are laid out per key head). KDA's layers have
+  the same shape with one value head per key head (``read_kda``).
 - Gated attention: ``q_proj`` yields ``(q, gate)`` interleaved per head, RoPE rotates the first
   ``partial_rotary_factor * head_dim`` dims, and every RMSNorm but the gated one is zero-centred
   (``x * (1 + w)``).
@@ -27,6 +29,7 @@ LINEAR_KEYS = {
     "linear_num_value_heads": "the value heads of the linear-attention layers",
 }
 LAYER_MIXERS = {"full_attention": "gated_attention", "linear_attention": "linear_attention"}
+KIMI_LAYER_MIXERS = {"full_attention": "mla", "linear_attention": "kda"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +58,20 @@ class GatedDeltaArch:
         return self.num_v_heads // self.num_k_heads
 
 
-def read_layer_mixers(cfg: dict, source: str) -> tuple[str, ...]:
+def read_layer_mixers(cfg: dict, source: str, mixers: dict[str, str] = LAYER_MIXERS,
+                      default_types: list[str] | None = None) -> tuple[str, ...]:
     """The per-layer mixer of ``layer_types`` (transformers' default when the key is absent: every
-    ``full_attention_interval``-th layer full, as Qwen3NextConfig writes it)."""
+    ``full_attention_interval``-th layer full, as Qwen3NextConfig writes it, or ``default_types``)."""
     num_layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
+    types = cfg.get("layer_types") or default_types
     if types is None:
         interval = int(cfg.get("full_attention_interval", 4))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    bad = [t for t in types if t not in LAYER_MIXERS]
+    bad = [t for t in types if t not in mixers]
     if bad or len(types) != num_layers:
-        raise ConfigError(f"{source}: layer_types {types} must name one of {sorted(LAYER_MIXERS)} for each of the "
+        raise ConfigError(f"{source}: layer_types {types} must name one of {sorted(mixers)} for each of the "
                           f"{num_layers} layers")
-    return tuple(LAYER_MIXERS[t] for t in types)
+    return tuple(mixers[t] for t in types)
 
 
 def read_gated_delta(cfg: dict, source: str) -> GatedDeltaArch:
@@ -100,3 +104,67 @@ def read_rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
         raise ConfigError(f"{source}: partial_rotary_factor ({factor}) x head_dim ({head_dim}) = {dim} must be a "
                           f"positive even number of dims at most head_dim: RoPE rotates pairs")
     return dim
+
+
+# Kimi Linear's config.json spells the router keys as its own modeling code did; transformers'
+# KimiLinearConfig maps them (attribute_map) to the DeepSeek names the MLA reading expects
+KIMI_KEY_ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+                    "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
+                    "moe_renormalize": "norm_topk_prob", "model_max_length": "max_position_embeddings"}
+KIMI_LINEAR_DEFAULTS = dict(head_dim=128, num_heads=32, short_conv_kernel_size=4)  # KimiLinearConfig's
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+
+def kimi_config(cfg: dict) -> dict:
+    """The config with Kimi's key spellings added under DeepSeek's names (where those are absent)."""
+    return dict(cfg, **{deep: cfg[kimi] for kimi, deep in KIMI_KEY_ALIASES.items() if kimi in cfg and deep not in cfg})
+
+
+def kimi_layer_types(cfg: dict, source: str) -> list[str]:
+    """Kimi Linear's per-layer types as KimiLinearConfig resolves them: ``layer_types``, else
+    ``linear_attn_config``'s 1-indexed ``kda_layers`` and ``full_attn_layers``, else every 4th
+    layer after the first full (its default; for 4 layers that is all KDA)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    lin, num_layers = cfg.get("linear_attn_config") or {}, cfg["num_hidden_layers"]
+    if "kda_layers" in lin and "full_attn_layers" in lin:
+        types = [None] * num_layers
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for layer in lin[key]:
+                if not 1 <= layer <= num_layers:
+                    raise ConfigError(f"{source}: linear_attn_config {key} names layer {layer}; layers are "
+                                      f"numbered 1 to {num_layers}")
+                types[layer - 1] = kind
+        return types
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def read_kda(cfg: dict, source: str) -> GatedDeltaArch:
+    """KDA's shape: ``linear_num_heads`` heads of ``linear_head_dim`` for q, k and v alike (one value
+    head per key head), a short conv of ``linear_conv_kernel_dim``; ``linear_attn_config`` (the
+    checkpoint's own spelling) wins where present, as in KimiLinearConfig."""
+    lin = cfg.get("linear_attn_config") or {}
+    dim = int(lin.get("head_dim", cfg.get("linear_head_dim", KIMI_LINEAR_DEFAULTS["head_dim"])))
+    heads = int(lin.get("num_heads", cfg.get("linear_num_heads", KIMI_LINEAR_DEFAULTS["num_heads"])))
+    kernel = int(lin.get("short_conv_kernel_size",
+                         cfg.get("linear_conv_kernel_dim", KIMI_LINEAR_DEFAULTS["short_conv_kernel_size"])))
+    if heads < 1 or dim < 1:
+        raise ConfigError(f"{source}: KDA num_heads ({heads}) and head_dim ({dim}) must be >= 1")
+    if kernel < 2:
+        raise ConfigError(f"{source}: KDA short_conv_kernel_size ({kernel}) must be >= 2")
+    return GatedDeltaArch(conv_kernel_size=kernel, num_k_heads=heads, num_v_heads=heads, k_head_dim=dim,
+                          v_head_dim=dim)
+
+
+def read_mlp_layer_types(cfg: dict, source: str) -> tuple[int, ...]:
+    """The MoE layers: ``mlp_layer_types`` (dense / sparse per layer), else the first
+    ``first_k_dense_replace`` layers dense (KimiLinearConfig's default 1) and the rest sparse."""
+    num_layers = cfg["num_hidden_layers"]
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        types = ["dense" if i < dense else "sparse" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in MLP_LAYER_TYPES for t in types):
+        raise ConfigError(f"{source}: mlp_layer_types {types} must name one of {list(MLP_LAYER_TYPES)} for each of "
+                          f"the {num_layers} layers")
+    return tuple(i for i, t in enumerate(types) if t == "sparse")

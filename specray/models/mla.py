@@ -28,6 +28,9 @@ Sharding (tp ranks):
 | norms               | replicated                     | -               |
 | o_proj              | input columns (heads)          | all_reduce (tp) |
 
+Kimi Linear's full-attention layers are this MLA without positional encoding (``MLAArch.has_rope``
+false): q_rot and k_rot keep their widths and pass unrotated (``no_rope``).
+
 The latent projections and the latent cache are the same on every rank (docs/parallelism.md
 says what that costs).
 """
@@ -107,6 +110,12 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """MLA without positional encoding (Kimi Linear, ``MLAArch.has_rope`` false): q_rot and k_rot
+    pass unrotated, so the latent row stores k_rot as projected."""
+    return x
+
+
 class ReplicatedLinear(nn.Module):
     """A projection every rank holds whole (MLA's latent projections)."""
 
@@ -170,7 +179,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, [heads * (m.qk_nope_head_dim + m.v_head_dim)], tp,
                                               False, dtype, dev)
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, tp, bias, dtype, dev)
-        self.rope = apply_rope_interleaved if m.rope_interleave else apply_rope
+        self.rope = no_rope if not m.has_rope else apply_rope_interleaved if m.rope_interleave else apply_rope
         self.scale = m.qk_head_dim ** -0.5 * (arch.yarn.softmax_factor if arch.yarn is not None else 1.0)
 
     def layout(self, num_layers: int) -> KVLayout:

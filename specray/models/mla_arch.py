@@ -46,6 +46,9 @@ class MLAArch:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool
+    # False: no positional encoding at all (Kimi Linear's full attention); the qk_rope_head_dim part of
+    # q and the shared k_rot are still there, unrotated
+    has_rope: bool = True
 
     @property
     def qk_head_dim(self) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from specray.envs import cache_root
 from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
 from specray.models.checkpoint_writer import random_weights, write_checkpoint
+from specray.models.kimi_checkpoint import random_kimi_linear_weights
 from specray.models.drafter_presets import DRAFTER_SUFFIXES, PRESET_FORMAT_TAG, drafter_preset, mtp_checkpoint
 
 BYTE_VOCAB = 320  # 256 bytes, BOS 256, EOS 257, padding up to a multiple of 64 for TP
@@ -57,6 +58,17 @@ PRESETS: dict[str, dict] = {
                             moe_intermediate_size=128, shared_expert_intermediate_size=256, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[],
                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    # Kimi Linear's shape, small, in its own config.json spellings (num_experts, num_experts_per_token,
+    # num_expert_group, moe_renormalize, linear_attn_config's 1-indexed layer lists): three KDA layers then one
+    # MLA layer without RoPE (its 3:1 ratio), 4 KDA heads of 32, the first layer dense, DeepSeek-routed MoE after
+    "tiny-kimi-linear": dict(_TINY, architectures=["KimiLinearForCausalLM"], model_type="kimi_linear",
+                             num_key_value_heads=8, head_dim=16, q_lora_rank=None, kv_lora_rank=64,
+                             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mla_use_nope=True,
+                             num_experts=16, num_experts_per_token=2, num_expert_group=1, topk_group=1,
+                             num_shared_experts=1, moe_intermediate_size=128, moe_renormalize=True,
+                             routed_scaling_factor=2.446, first_k_dense_replace=1, pad_token_id=None,
+                             linear_attn_config=dict(head_dim=32, num_heads=4, short_conv_kernel_size=4,
+                                                     kda_layers=[1, 2, 3], full_attn_layers=[4])),
     "mid-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=1024,
                       intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                       head_dim=64, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096,
@@ -91,7 +103,8 @@ def materialize(name: str, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         if name in PRESETS:
-            cfg, weights = PRESETS[name], random_weights(PRESETS[name], seed)
+            cfg = PRESETS[name]
+            weights = (random_kimi_linear_weights if cfg["model_type"] == "kimi_linear" else random_weights)(cfg, seed)
             if cfg.get("num_nextn_predict_layers"):  # MTP modules inside the checkpoint, as DeepSeek-V3 ships them
                 cfg, weights = mtp_checkpoint(cfg, weights, seed, cfg["num_nextn_predict_layers"])
         else:
