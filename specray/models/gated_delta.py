@@ -57,7 +57,7 @@ def _prepare(q, k, v, g, beta, l2_normalize_qk: bool):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def _initial_state(initial_state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def initial_state_for(initial_state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     batch, heads, _, k_head_dim = k.shape
     if initial_state is None:
         return k.new_zeros(batch, heads, k_head_dim, v.shape[-1])
@@ -77,22 +77,31 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     state after tokens 0..j, what a verify commits when j drafts were accepted)."""
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2_normalize_qk)
-    state = _initial_state(initial_state, k, v)
+    state = initial_state_for(initial_state, k, v)
+    out, final = run_recurrence(q, k, v, g[..., None], beta, state, return_all_states)
+    return out.transpose(1, 2).to(dtype), final
+
+
+def run_recurrence(q, k, v, decay, beta, state, return_all_states: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's loop (module docstring) on prepared float32 inputs, heads first: ``decay`` is
+    the log decay ``[batch, heads, seq, 1]`` per head (Gated DeltaNet) or ``[..., k_head_dim]`` per
+    key channel (KDA, ``kda.py``). Returns the output heads first and the final state, or the state
+    after every position ``[batch, seq, heads, k_head_dim, v_head_dim]``."""
     out = torch.empty_like(v)
     states = []
     for t in range(v.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
+        state = state * decay[:, :, t, :, None].exp()
         k_t = k[:, :, t, :, None]  # [batch, heads, k_head_dim, 1]
         delta = (v[:, :, t] - (state * k_t).sum(-2)) * beta[:, :, t, None]
         state = state + k_t * delta[:, :, None, :]
         out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)
         if return_all_states:
             states.append(state)
-    if return_all_states:
-        final = torch.stack(states, dim=1) if states else state.new_zeros(state.shape[0], 0, *state.shape[1:])
-    else:
-        final = state
-    return out.transpose(1, 2).to(dtype), final
+    if not return_all_states:
+        return out, state
+    if len(states) == 1:  # a decode row: a view, no copy on the hot path
+        return out, states[0][:, None]
+    return out, torch.stack(states, dim=1) if states else state.new_zeros(state.shape[0], 0, *state.shape[1:])
 
 
 def _chunk(q, k, v, g, beta, state):
@@ -122,7 +131,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2_normalize_qk)
-    state = _initial_state(initial_state, k, v)
+    state = initial_state_for(initial_state, k, v)
     out = torch.empty_like(v)
     for start in range(0, v.shape[2], chunk_size):
         end = start + chunk_size

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from specray.models.gated_delta import initial_state_for, run_recurrence
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim: a division, as KDA's kernels (and transformers)
@@ -48,15 +50,6 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def _initial_state(initial_state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    expected = (k.shape[0], k.shape[1], k.shape[-1], v.shape[-1])
-    if initial_state is None:
-        return k.new_zeros(expected)
-    if tuple(initial_state.shape) != expected:
-        raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, the inputs need {expected}")
-    return initial_state.to(torch.float32)
-
-
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                   initial_state: torch.Tensor | None = None,
                   return_all_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,21 +58,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     head_dim_k, head_dim_v]`` (state j: after tokens 0..j)."""
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    state = _initial_state(initial_state, k, v)
-    out = torch.empty_like(v)
-    states = []
-    for t in range(v.shape[2]):
-        state = state * g[:, :, t, :, None].exp()  # per key channel
-        k_t = k[:, :, t, :, None]
-        delta = (v[:, :, t] - (state * k_t).sum(-2)) * beta[:, :, t, None]
-        state = state + k_t * delta[:, :, None, :]
-        out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)
-        if return_all_states:
-            states.append(state)
-    if return_all_states:
-        final = torch.stack(states, dim=1) if states else state.new_zeros(state.shape[0], 0, *state.shape[1:])
-    else:
-        final = state
+    out, final = run_recurrence(q, k, v, g, beta, initial_state_for(initial_state, k, v), return_all_states)
     return out.transpose(1, 2).to(dtype), final
 
 
@@ -110,7 +89,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    state = _initial_state(initial_state, k, v)
+    state = initial_state_for(initial_state, k, v)
     out = torch.empty_like(v)
     for start in range(0, v.shape[2], chunk_size):
         end = start + chunk_size
