@@ -33,7 +33,6 @@ Sharding (tp ranks; heads split over tp, contiguous):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.context import DistContext
@@ -43,28 +42,9 @@ from specray.models.kda import chunk_kda, recurrent_kda
 from specray.models.layers import ColumnParallelLinear, RowParallelLinear
 from specray.models.linear_state import LayerState, LinearPlan, linear_plan, store_snapshots
 from specray.models.mla import ReplicatedLinear
-from specray.models.qwen3_next import PREFILL_CHUNK_SIZE, depthwise_causal_conv
+from specray.models.qwen3_next import PREFILL_CHUNK_SIZE, short_conv
 
 SOFTPLUS_LINEAR_ABOVE = 20.0  # softplus(x) is x above this, as transformers' forget gate takes it
-
-
-def short_conv(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
-    """silu(causal depthwise conv1d) of the step's rows ``mixed [N, C]``, each sequence continuing its
-    window ``[C, K - 1]`` (zeros at position 0); the windows are updated in place, a verify row keeping
-    the window ending at each of its positions (``linear_state.py``). The same steps as
-    ``GatedDeltaNet._conv``, over any mixer's channels."""
-    out = torch.empty_like(mixed)
-    channels, width = mixed.shape[-1], weight.shape[-1] - 1
-    for group in plan.recurrent:
-        inputs = torch.cat([windows[group.rows].to(mixed.dtype), mixed[group.tokens].transpose(1, 2)], dim=-1)
-        out[group.tokens] = depthwise_causal_conv(inputs, weight).transpose(1, 2)
-        store_snapshots(windows, group, inputs.unfold(-1, width, 1)[:, :, 1:].transpose(1, 2))
-    for s, e, row, has_state in plan.prefills:
-        before = windows[row].to(mixed.dtype) if has_state else mixed.new_zeros(channels, width)
-        inputs = torch.cat([before, mixed[s:e].T], dim=-1)[None]
-        out[s:e] = depthwise_causal_conv(inputs, weight)[0].T
-        windows[row] = inputs[0, :, -width:].float()
-    return F.silu(out)
 
 
 def kda_step(q, k, v, g, beta, states: torch.Tensor, plan: LinearPlan) -> torch.Tensor:

@@ -93,6 +93,25 @@ def depthwise_causal_conv(inputs: torch.Tensor, weight: torch.Tensor) -> torch.T
     return out
 
 
+def short_conv(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+    """silu(causal depthwise conv1d) of the step's rows ``mixed [N, C]``, each sequence continuing its
+    window ``[C, K - 1]`` (zeros at position 0); the windows are updated in place, a verify row keeping
+    the window ending at each of its positions (``linear_state.py``).
+    Shared by every linear mixer (Gated DeltaNet's [q | k | v], KDA's)."""
+    out = torch.empty_like(mixed)
+    channels, width = mixed.shape[-1], weight.shape[-1] - 1
+    for group in plan.recurrent:
+        inputs = torch.cat([windows[group.rows].to(mixed.dtype), mixed[group.tokens].transpose(1, 2)], dim=-1)
+        out[group.tokens] = depthwise_causal_conv(inputs, weight).transpose(1, 2)
+        store_snapshots(windows, group, inputs.unfold(-1, width, 1)[:, :, 1:].transpose(1, 2))
+    for s, e, row, has_state in plan.prefills:
+        before = windows[row].to(mixed.dtype) if has_state else mixed.new_zeros(channels, width)
+        inputs = torch.cat([before, mixed[s:e].T], dim=-1)[None]
+        out[s:e] = depthwise_causal_conv(inputs, weight)[0].T
+        windows[row] = inputs[0, :, -width:].float()
+    return F.silu(out)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, arch: ModelArch, ctx: DistContext, dtype: torch.dtype):
         super().__init__()
@@ -129,22 +148,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.to(x.dtype).view(n, -1))
 
     def _conv(self, mixed: torch.Tensor, windows: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
-        """silu(causal depthwise conv1d) of the step's [q | k | v] rows, each sequence continuing
-        its window (zeros at position 0); the windows are updated in place (a verify row keeps the
-        window ending at each of its positions, ``linear_state.py``)."""
-        out = torch.empty_like(mixed)
-        channels, width = self.conv_dim, self.lin.conv_kernel_size - 1
-        for group in plan.recurrent:
-            n = group.length  # inputs [S, C, K - 1 + n]: the window, then the group's tokens
-            inputs = torch.cat([windows[group.rows].to(mixed.dtype), mixed[group.tokens].transpose(1, 2)], dim=-1)
-            out[group.tokens] = depthwise_causal_conv(inputs, self.conv_weight).transpose(1, 2)
-            store_snapshots(windows, group, inputs.unfold(-1, width, 1)[:, :, 1:].transpose(1, 2))
-        for s, e, row, has_state in plan.prefills:
-            before = windows[row].to(mixed.dtype) if has_state else mixed.new_zeros(channels, width)
-            inputs = torch.cat([before, mixed[s:e].T], dim=-1)[None]
-            out[s:e] = depthwise_causal_conv(inputs, self.conv_weight)[0].T
-            windows[row] = inputs[0, :, -width:].float()
-        return F.silu(out)
+        return short_conv(mixed, windows, self.conv_weight, plan)
 
     def _delta(self, q, k, v, g, beta, states: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
         """The delta rule per sequence from its state row (zeros at position 0); rows updated in
