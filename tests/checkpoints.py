@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -134,3 +135,32 @@ def prefill_logits(path, prompt: list[int]) -> torch.Tensor:
                              context_lens=torch.tensor([len(prompt)]), query_lens=[len(prompt)])
     with torch.inference_mode():
         return model.logits(model(torch.tensor(prompt), positions, pools, meta))
+
+
+def make_qwen3_next_with_mtp(directory: Path, seed: int = 0, embedding_scale: float = 30.0) -> Path:
+    """A Qwen3-Next checkpoint (make_checkpoint) with one MTP module in its own layout (``mtp.*``)
+    whose drafts the target often accepts, so that a verify commits every acceptance count.
+
+    A random MTP module's drafts are never accepted. Here the embedding is scaled up so that the
+    residual stream leans on the current token (the layers' outputs are normed-input projections
+    that do not grow with it), and the module reads that token's embedding alone (``mtp.fc`` =
+    [I | 0], ``mtp.norm`` = the target's final norm): its logits approximate the target's next
+    ones. At 30x (measured on the test prompts) acceptance lengths are 2.2-3.1 of 4 at k = 3,
+    and a verify that skips the state commit still changes the greedy tokens: the linear layers'
+    state still matters."""
+    from safetensors.torch import load_file, save_file
+
+    from specray.models.drafter_presets import mtp_checkpoint
+    from specray.models.presets import write_checkpoint
+
+    make_checkpoint("qwen3_next", directory, seed)
+    cfg = json.loads((directory / "config.json").read_text())
+    weights = load_file(directory / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * embedding_scale
+    cfg, weights = mtp_checkpoint(cfg, weights, seed)
+    h = cfg["hidden_size"]
+    weights.update({"mtp.fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1),
+                    "mtp.norm.weight": weights["model.norm.weight"].clone(),
+                    "mtp.pre_fc_norm_embedding.weight": torch.zeros(h)})  # zero-centred: a scale of 1
+    write_checkpoint(directory, cfg, weights)
+    return Path(directory)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoints import load_reference, make_checkpoint, reference_greedy
+from hybrid import hybrid_config as config
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.models import kimi_linear
 from specray.models.linear_state import LayerState
@@ -35,12 +36,6 @@ def case(tmp_path_factory):
     expected = [reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
     return directory, prompts, expected, reference
 
-
-def config(directory, tp: int = 1, **kw) -> EngineConfig:
-    kv = kw.pop("kv", KVConfig(tokens_per_block=16, capacity_tokens=2048))
-    return EngineConfig(model=str(directory), kv=kv, max_num_seqs=kw.pop("max_num_seqs", 8),
-                        parallel=ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", timeout_s=60.0),
-                        **kw)
 
 
 def test_checkpoint_has_the_shapes_under_test(case):

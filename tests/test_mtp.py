@@ -47,8 +47,9 @@ TOKENS = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6,
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     out = {}
-    for family in ("llama", "qwen3"):
-        path = make_checkpoint(family, root / family, seed=3, num_hidden_layers=3)
+    for family in ("llama", "qwen3", "qwen3_next"):
+        layers = {} if family == "qwen3_next" else dict(num_hidden_layers=3)  # its own 4 layer types
+        path = make_checkpoint(family, root / family, seed=3, **layers)
         out[family] = path, load_model(path, DistContext.single(), "float32"), load_reference(path)
     return out
 
@@ -59,7 +60,18 @@ def _layer_class(hf_target):
     definitions = speculators_module("speculators.models.mtp.model_definitions")
     if hf_target.config.model_type == "qwen3":
         return definitions.Qwen3MTPLayer
+    if hf_target.config.model_type == "qwen3_next":  # over its last full-attention layer (gated attention, MoE)
+        return definitions.Qwen3NextMTPLayer
     return definitions._create_mtp_layer_class("LlamaMTPLayer", LlamaDecoderLayer, LlamaRMSNorm)
+
+
+def _stacked_experts(state: dict, num_experts: int) -> dict:
+    """Per-expert gate/up/down tensors (the checkpoint's names) as transformers' stacked experts:
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    per = [{n: state.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down")}
+           for e in range(num_experts)]
+    return dict(state, **{"mlp.experts.gate_up_proj": torch.stack([torch.cat([p["gate"], p["up"]]) for p in per]),
+                          "mlp.experts.down_proj": torch.stack([p["down"] for p in per])})
 
 
 def _reference_module(w: dict, cfg: dict, hf_target, i: int):
@@ -69,7 +81,9 @@ def _reference_module(w: dict, cfg: dict, hf_target, i: int):
     names = ("enorm", "hnorm", "eh_proj", "shared_head.norm") if deepseek else (
         "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm")
     own = (lambda n: w[f"{block}{n}.weight"]) if deepseek else (lambda n: w[f"{n}.weight"])
-    centre = (lambda t: t) if deepseek else (lambda t: 1.0 + t)  # Qwen3-Next: x * (1 + w)
+    # Qwen3-Next's norms are x * (1 + w): a plain RMSNorm holds 1 + w; Qwen3NextRMSNorm applies it itself
+    is_zero_centred = not deepseek and hf_target.config.model_type != "qwen3_next"
+    centre = (lambda t: 1.0 + t) if is_zero_centred else (lambda t: t)
     state = {n[len(block):]: t for n, t in w.items()
              if n.startswith(block) and not n[len(block):].startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
     state.update({"token_layernorm.weight": centre(own(names[0])), "hidden_layernorm.weight": centre(own(names[1])),
@@ -77,6 +91,8 @@ def _reference_module(w: dict, cfg: dict, hf_target, i: int):
     config = hf_target.config
     config._attn_implementation = "sdpa"
     layer = _layer_class(hf_target)(config, layer_idx=0)
+    if "mlp.experts.gate_up_proj" in layer.state_dict():  # transformers 5 holds experts stacked
+        state = _stacked_experts(state, config.num_experts)
     layer.load_state_dict(state)
     layer.eval()
     if not deepseek:  # the layer's output is normed, fed back, and read by the target's LM head
@@ -100,7 +116,7 @@ def mtp_reference(path: Path, hf_target, tokens, features, k):
     def run(m, ids, h, start):
         layer, head = modules[m]
         emb, pos = hf_target.model.embed_tokens(ids)[None], torch.arange(start, start + len(ids))[None]
-        out = layer(hidden_states=h[None], token_embeddings=emb, position_ids=pos, past_key_values=caches[m],
+        out = layer(hidden_states=h[None], token_embeddings=emb, position_ids=pos, cache=caches[m],
                     use_cache=True, position_embeddings=rotary(emb, pos))
         return head(out[0, -1:])
 
@@ -118,6 +134,8 @@ def mtp_reference(path: Path, hf_target, tokens, features, k):
 @pytest.mark.parametrize("family, layout, num_modules, k", [
     ("llama", "deepseek_v3", 1, 4),
     ("qwen3", "qwen3_next", 1, 3),
+    ("qwen3_next", "qwen3_next", 1, 3),  # the hybrid target's own: gated attention and a shared-expert MoE
+    ("qwen3_next", "qwen3_next", 2, 3),
     ("llama", "deepseek_v3", 2, 3),  # draft 0 module 0, drafts 1 and 2 module 1 (k above n reuses the last)
     ("qwen3", "deepseek_v3", 2, 1),  # k = 1: only module 0 runs
 ])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from checkpoints import load_reference, make_checkpoint, reference_greedy
+from hybrid import assert_no_slot_held, hybrid_config as config
 from specray import LLM, AsyncLLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.models import qwen3_next
 from specray.models.linear_state import LayerState
@@ -36,18 +37,6 @@ def case(tmp_path_factory):
     return directory, prompts, expected, reference
 
 
-def config(directory, tp: int = 1, **kw) -> EngineConfig:
-    kv = kw.pop("kv", KVConfig(tokens_per_block=16, capacity_tokens=2048))
-    return EngineConfig(model=str(directory), kv=kv, max_num_seqs=kw.pop("max_num_seqs", 8),
-                        parallel=ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", timeout_s=60.0),
-                        **kw)
-
-
-def assert_no_slot_held(engine) -> None:
-    core = engine.core
-    assert core.state_allocator.num_free == core.state_allocator.num_slots
-    assert core.allocator.num_free == core.allocator.num_blocks
-    assert not core.scheduler.running and not core.scheduler.waiting
 
 
 def test_checkpoint_has_the_shapes_under_test(case):
@@ -105,7 +94,7 @@ def test_greedy_matches_transformers(case, tokens_per_block, budget):
     with LLM(config(directory, kv=kv, max_num_batched_tokens=budget)) as llm:
         outs = llm.generate(prompts, GREEDY)  # one batch of every prompt
         geometry = llm.geometry
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
     assert [o.token_ids for o in outs] == expected
     # only the two full-attention layers have pages; the two linear layers have a slot per sequence
     assert geometry["target"].num_layers == 2 and geometry["state"].num_slots == 8
@@ -173,7 +162,7 @@ def test_preemption_under_a_tiny_budget_keeps_the_tokens_and_frees_every_slot(ca
     directory, prompts, expected, _ = case
     with LLM(config(directory, kv=KVConfig(tokens_per_block=16, capacity_tokens=224), max_num_seqs=3)) as llm:
         outs = llm.generate(prompts[2:5], GREEDY)
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
     assert [o.token_ids for o in outs] == expected[2:5]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
@@ -191,7 +180,7 @@ def test_no_slot_leaks_once_idle_aborts_included(case):
             await llm.abort("w2")  # aborted while it may still wait for a slot
             outs = await asyncio.gather(*(_tokens(s) for s in waiting))
             assert outs[0] == expected[1] and outs[1] == expected[2]
-            assert_no_slot_held(llm._engine)
+            assert_no_slot_held(llm)
         finally:
             await llm.close()
 
@@ -244,7 +233,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens(case):
     spec = SpecConfig(method="ngram", num_draft_tokens=3)
     with LLM(config(directory, spec=spec, max_num_batched_tokens=48)) as llm:
         outs = llm.generate(prompts[:3] + repeated, GREEDY)
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
     assert [o.token_ids for o in outs[:3]] == expected[:3]
     assert [o.token_ids for o in outs[3:]] == [reference_greedy(reference, p, NEW_TOKENS) for p in repeated]
 
@@ -257,9 +246,9 @@ def test_speculation_under_preemption_keeps_the_tokens_and_frees_every_slot(case
     spec = SpecConfig(method="ngram", num_draft_tokens=3)
     with LLM(config(directory, spec=spec, kv=KVConfig(tokens_per_block=16, capacity_tokens=224), max_num_seqs=3)) as llm:
         outs = llm.generate(repeated, GREEDY)
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
         sampled = llm.generate(repeated, SamplingParams(max_tokens=24, temperature=0.8, seed=3))
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
     assert [o.token_ids for o in outs] == [reference_greedy(reference, p, NEW_TOKENS) for p in repeated]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert all(len(o.token_ids) == 24 for o in sampled)
@@ -276,7 +265,7 @@ def test_every_drafter_on_the_hybrid_preset_keeps_the_greedy_tokens(method):
     spec = SpecConfig(method=method, num_draft_tokens=3)
     with LLM(EngineConfig(model="tiny-qwen3-next", kv=KVConfig(capacity_tokens=1024), max_num_seqs=2, spec=spec)) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
-        assert_no_slot_held(llm._engine)
+        assert_no_slot_held(llm)
     assert [o.token_ids for o in outs] == [reference_greedy(reference, p, 32) for p in prompts]
 
 

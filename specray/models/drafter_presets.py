@@ -191,17 +191,24 @@ def head_config(method: str, target: ModelArch) -> dict:
 
 
 def mtp_checkpoint(target_cfg: dict, target_weights: dict[str, torch.Tensor], seed: int, num_modules: int = 1,
-                   layout: str = "deepseek_v3") -> tuple[dict, dict[str, torch.Tensor]]:
+                   layout: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """The target with ``num_modules`` MTP modules of seeded random weights, in DeepSeek-V3's
-    layout (``model.layers.{L}.*``) or Qwen3-Next's (``mtp.*``, zero-centred norms near 0)."""
+    layout (``model.layers.{L}.*``) or Qwen3-Next's (``mtp.*``, zero-centred norms near 0); by
+    default the layout the target's own family ships (Qwen3-Next's for a Qwen3-Next target)."""
+    if layout is None:
+        layout = "qwen3_next" if target_cfg.get("model_type") == "qwen3_next" else "deepseek_v3"
     n, h = target_cfg["num_hidden_layers"], target_cfg["hidden_size"]
     gen = torch.Generator().manual_seed(seed * 16 + HEAD_SEED_OFFSET["mtp"])
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.02
 
-    # decoder blocks of the target's family (dense or MoE), numbered after the target's layers
-    blocks = random_weights(dict(target_cfg, num_hidden_layers=n + num_modules), seed * 16 + HEAD_SEED_OFFSET["mtp"])
+    # decoder blocks of the target's family (dense or MoE), numbered after the target's layers; a hybrid
+    # target's MTP blocks are full-attention layers (Qwen3-Next's are gated attention)
+    block_cfg = dict(target_cfg, num_hidden_layers=n + num_modules)
+    if target_cfg.get("layer_types"):
+        block_cfg["layer_types"] = list(target_cfg["layer_types"]) + ["full_attention"] * num_modules
+    blocks = random_weights(block_cfg, seed * 16 + HEAD_SEED_OFFSET["mtp"])
     w = dict(target_weights)
     head = target_weights.get("lm_head.weight", target_weights["model.embed_tokens.weight"])
     for i in range(num_modules):
@@ -219,6 +226,9 @@ def mtp_checkpoint(target_cfg: dict, target_weights: dict[str, torch.Tensor], se
     return dict(target_cfg, mtp_num_hidden_layers=num_modules), w
 
 
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
 def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Keep the embedding, head, final norm and the first ``num_layers`` decoder layers."""
     def kept(name: str) -> bool:
@@ -233,6 +243,9 @@ def early_exit_draft(cfg: dict, weights: dict[str, torch.Tensor]) -> tuple[dict,
     """(config, weights) of a one-layer draft model cut from a target: its first layer, or for a
     hybrid target (``layer_types``) its first full-attention layer renumbered 0, since a draft model
     keeps its KV in a paged pool and has no state slots (``draft_model.py``)."""
+    # the target's MTP modules stay behind (DeepSeek-V3's, numbered after the layers, are cut with them)
+    cfg = {key: value for key, value in cfg.items() if key not in MTP_CONFIG_KEYS}
+    weights = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
     types = cfg.get("layer_types")
     if not types or "full_attention" not in types:
         draft = dict(cfg, num_hidden_layers=1)

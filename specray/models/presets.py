@@ -9,6 +9,7 @@ into place, so concurrent ranks or jobs never see a half-written preset.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,8 @@ from specray.envs import cache_root
 from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
 from specray.models.checkpoint_writer import random_weights, write_checkpoint
 from specray.models.kimi_checkpoint import random_kimi_linear_weights
-from specray.models.drafter_presets import DRAFTER_SUFFIXES, PRESET_FORMAT_TAG, drafter_preset, mtp_checkpoint
+from specray.models.drafter_presets import (DRAFTER_SUFFIXES, MTP_CONFIG_KEYS, PRESET_FORMAT_TAG, drafter_preset,
+                                           mtp_checkpoint)
 
 BYTE_VOCAB = 320  # 256 bytes, BOS 256, EOS 257, padding up to a multiple of 64 for TP
 _TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -49,14 +51,14 @@ PRESETS: dict[str, dict] = {
                                               beta_fast=1, beta_slow=1)),
     # Qwen3-Next's shape, small: three Gated DeltaNet layers then one gated full-attention layer (its
     # full_attention_interval 4, written out as layer_types), partial RoPE (a quarter of head_dim), 8 experts
-    # with a gated shared expert; no MTP module yet (speculation on hybrid targets is not built)
+    # with a gated shared expert, and one MTP module in the checkpoint (mtp.*), as Qwen3-Next ships it
     "tiny-qwen3-next": dict(_TINY, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=64,
                             num_attention_heads=4, num_key_value_heads=2,
                             layer_types=["linear_attention"] * 3 + ["full_attention"],
                             linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                             linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=128, shared_expert_intermediate_size=256, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[],
+                            decoder_sparse_step=1, mlp_only_layers=[], mtp_num_hidden_layers=1,
                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
     # Kimi Linear's shape, small, in its own config.json spellings (num_experts, num_experts_per_token,
     # num_expert_group, moe_renormalize, linear_attn_config's 1-indexed layer lists): three KDA layers then one
@@ -98,15 +100,18 @@ def materialize(name: str, seed: int = 0) -> Path:
     if name not in PRESETS:  # drafter presets carry their format's version: old caches are not reused
         target = target.with_name(target.name + PRESET_FORMAT_TAG)
     if (target / "model.safetensors").is_file():
-        return target
+        if name not in PRESETS or _is_current(target, PRESETS[name]):
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # written by an older specray (the preset has grown since)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         if name in PRESETS:
             cfg = PRESETS[name]
             weights = (random_kimi_linear_weights if cfg["model_type"] == "kimi_linear" else random_weights)(cfg, seed)
-            if cfg.get("num_nextn_predict_layers"):  # MTP modules inside the checkpoint, as DeepSeek-V3 ships them
-                cfg, weights = mtp_checkpoint(cfg, weights, seed, cfg["num_nextn_predict_layers"])
+            num_mtp = next((cfg[key] for key in MTP_CONFIG_KEYS if cfg.get(key)), 0)
+            if num_mtp:  # MTP modules inside the checkpoint, as DeepSeek-V3 and Qwen3-Next ship them
+                cfg, weights = mtp_checkpoint(cfg, weights, seed, num_mtp)
         else:
             target_name, method = _drafter_presets()[name]
             cfg, weights = drafter_preset(PRESETS[target_name], target_name, method, seed)
@@ -118,6 +123,15 @@ def materialize(name: str, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _is_current(directory: Path, cfg: dict) -> bool:
+    """Whether a cached preset still says what the preset says (every key of ``cfg``, as JSON)."""
+    try:
+        saved = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(saved.get(key) == value for key, value in json.loads(json.dumps(cfg)).items())
 
 
 def resolve_model(model: str, seed: int = 0) -> Path:

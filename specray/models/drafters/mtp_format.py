@@ -124,8 +124,9 @@ def block_tensors(prefix: str, arch: ModelArch, is_moe: bool) -> dict[str, tuple
     out = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
     if arch.mla is not None:
         out.update(mla_tensors(prefix, arch))
-    else:
-        out.update({f"{prefix}.self_attn.q_proj.weight": (arch.num_heads * hd, h),
+    else:  # a gated attention's q_proj holds each head's query and output gate (Qwen3-Next)
+        q_rows = (2 if arch.family.mixer == "gated_attention" else 1) * arch.num_heads * hd
+        out.update({f"{prefix}.self_attn.q_proj.weight": (q_rows, h),
                     f"{prefix}.self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
                     f"{prefix}.self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
                     f"{prefix}.self_attn.o_proj.weight": (h, arch.num_heads * hd)})
@@ -146,6 +147,10 @@ def block_tensors(prefix: str, arch: ModelArch, is_moe: bool) -> dict[str, tuple
             out.update({f"{m}.shared_experts.gate_proj.weight": (shared, h),
                         f"{m}.shared_experts.up_proj.weight": (shared, h),
                         f"{m}.shared_experts.down_proj.weight": (h, shared)})
+    if arch.shared_expert_intermediate_size:  # Qwen3-Next: one sigmoid-gated shared expert
+        shared = arch.shared_expert_intermediate_size
+        out.update({f"{m}.shared_expert.gate_proj.weight": (shared, h), f"{m}.shared_expert.up_proj.weight": (shared, h),
+                    f"{m}.shared_expert.down_proj.weight": (h, shared), f"{m}.shared_expert_gate.weight": (1, h)})
     for e in range(arch.num_experts):
         out.update({f"{m}.experts.{e}.{g}.weight": (inter, h), f"{m}.experts.{e}.{u}.weight": (inter, h),
                     f"{m}.experts.{e}.{d}.weight": (h, inter)})
