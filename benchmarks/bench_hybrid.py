@@ -58,7 +58,8 @@ MID = dict(PRESETS["tiny-qwen3-next"], vocab_size=32000, hidden_size=1024, num_h
 
 
 def checkpoint(size: str, directory: Path) -> Path:
-    cfg = MID if size == "mid" else PRESETS["tiny-qwen3-next"]
+    # without the preset's MTP module: nothing here drafts, and its config must not promise tensors
+    cfg = dict(MID if size == "mid" else PRESETS["tiny-qwen3-next"], mtp_num_hidden_layers=0)
     write_checkpoint(directory, cfg, random_weights(cfg, 0))
     return directory
 

@@ -10,11 +10,12 @@ and shapes of their tensors. Two published layouts are read:
   pre_fc_norm_hidden, fc, norm}`` (zero-centred norms, ``x * (1 + w)``) and the target's
   embedding and LM head.
 
-The decoder block is the target family's (Llama, Qwen3: q/k norms; DeepSeek-V3 / Kimi-K2: MLA
-attention whose KV is latent rows in the target's pool; MoE when the block has a router,
-``{mlp prefix}.gate.weight``, as DeepSeek-V3's and Qwen3-Next's MTP blocks do).
-Qwen3-Next's own attention (output gate) and linear-attention layers are not specray target
-families: its layout is read for Qwen3 / Qwen3-MoE blocks, whose own norms are the family's.
+The decoder block is the target family's full-attention block (Llama, Qwen3: q/k norms;
+DeepSeek-V3 / Kimi-K2: MLA attention whose KV is latent rows in the target's pool; Qwen3-Next:
+gated attention, whose q_proj holds each head's query and output gate, and zero-centred norms);
+MoE when the block has a router, ``{mlp prefix}.gate.weight``, as DeepSeek-V3's and Qwen3-Next's
+MTP blocks do (Qwen3-Next's with its sigmoid-gated shared expert). The layout is also read for
+Qwen3 / Qwen3-MoE targets, whose blocks and norms are then that family's.
 
 A checkpoint directory whose config says ``SpecrayMTPDrafter`` is specray's retired format.
 """
