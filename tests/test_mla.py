@@ -156,3 +156,21 @@ def test_bfloat16_runs_with_a_float32_router_and_a_bfloat16_latent_pool(mla_case
         geometry = llm.geometry["target"]
     assert geometry.dtype == "bfloat16" and geometry.block_bytes == 3 * 16 * 40 * 2
     assert len(out.token_ids) == 16
+
+
+def test_an_mla_draft_model_keeps_the_greedy_tokens_in_its_own_latent_pool(cases, tmp_path):
+    # a draft model cut from an MLA target (its first layer) is a standalone drafter whose pool is
+    # latent rows, not K/V per head; lossless against the target's greedy tokens
+    from specray import SpecConfig
+    from specray.models.drafter_presets import write_drafter_for
+
+    _, directory, prompts, expected, _ = cases("deepseek_v3")
+    draft = write_drafter_for(directory, "draft_model", tmp_path / "draft")
+    spec = SpecConfig(method="draft_model", draft_model=str(draft), num_draft_tokens=3)
+    with LLM(EngineConfig(model=str(directory), kv=KVConfig(tokens_per_block=16, capacity_tokens=4096),
+                          spec=spec)) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        pool = llm.geometry["draft"]
+    assert [o.token_ids for o in outs] == expected
+    assert (pool.kind, pool.num_layers) == ("latent", 1)
+    assert all(o.metrics["num_verify_steps"] > 0 for o in outs)

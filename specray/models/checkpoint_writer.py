@@ -9,9 +9,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specray.models.kimi_checkpoint import random_kimi_linear_weights
+
 
 def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors in Hugging Face names: N(0, 0.02) matrices, unit norms."""
+    """Checkpoint tensors in Hugging Face names: N(0, 0.02) matrices, unit norms (Kimi Linear in
+    Moonshot's own layout, kimi_checkpoint.py)."""
+    if cfg["model_type"] == "kimi_linear":
+        return random_kimi_linear_weights(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     h, v, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     hd, nh, nkv = cfg.get("head_dim"), cfg["num_attention_heads"], cfg.get("num_key_value_heads")

@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from specray.models.arch import ModelArch, arch_from_hf_config
 from specray.models.checkpoint_writer import random_weights, write_checkpoint
+from specray.models.hybrid_arch import kimi_config, kimi_layer_types, read_mlp_layer_types
 
 DRAFTER_SUFFIXES = {"draft_model": "draft", "dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "mtp": "mtp"}
 HEAD_SEED_OFFSET = {"dflash": 1, "eagle3": 2, "mtp": 3, "dspark": 4}  # distinct weights per head kind
@@ -241,12 +242,12 @@ def early_exit_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dic
 
 def early_exit_draft(cfg: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, weights) of a one-layer draft model cut from a target: its first layer, or for a
-    hybrid target (``layer_types``) its first full-attention layer renumbered 0, since a draft model
-    keeps its KV in a paged pool and has no state slots (``draft_model.py``)."""
+    hybrid target its first full-attention layer renumbered 0, since a draft model keeps its KV in
+    a paged pool and has no state slots (``draft_model.py``)."""
     # the target's MTP modules stay behind (DeepSeek-V3's, numbered after the layers, are cut with them)
     cfg = {key: value for key, value in cfg.items() if key not in MTP_CONFIG_KEYS}
     weights = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
-    types = cfg.get("layer_types")
+    types = hybrid_layer_types(cfg)
     if not types or "full_attention" not in types:
         draft = dict(cfg, num_hidden_layers=1)
         draft.pop("layer_types", None)
@@ -255,10 +256,25 @@ def early_exit_draft(cfg: dict, weights: dict[str, torch.Tensor]) -> tuple[dict,
     prefix = f"model.layers.{layer}."
     kept = {name.replace(prefix, "model.layers.0.", 1): t for name, t in weights.items()
             if name.startswith(prefix) or not name.startswith("model.layers.")}
+    return dict(cfg, num_hidden_layers=1, layer_types=["full_attention"], **_one_layer_mlp(cfg, layer)), kept
+
+
+def hybrid_layer_types(cfg: dict) -> list[str] | None:
+    """Each layer's type (full_attention / linear_attention) of a hybrid config, else None."""
+    if cfg.get("model_type") == "kimi_linear":  # layer_types, else linear_attn_config's layer lists
+        return kimi_layer_types(kimi_config(cfg), "draft")
+    return cfg.get("layer_types")
+
+
+def _one_layer_mlp(cfg: dict, layer: int) -> dict:
+    """The config keys that keep ``layer``'s MLP (dense or MoE) as the only layer's."""
+    if cfg.get("model_type") == "kimi_linear":
+        is_moe = layer in read_mlp_layer_types(kimi_config(cfg), "draft")
+        lin = {k: v for k, v in (cfg.get("linear_attn_config") or {}).items() if k not in ("kda_layers", "full_attn_layers")}
+        return dict(mlp_layer_types=["sparse" if is_moe else "dense"], linear_attn_config=lin)
     step = cfg.get("decoder_sparse_step", 1) or 1
     is_moe = layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-    return dict(cfg, num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[] if is_moe else [0],
-                decoder_sparse_step=1), kept
+    return dict(mlp_only_layers=[] if is_moe else [0], decoder_sparse_step=1)
 
 
 def drafter_preset(target_cfg: dict, target_name: str, method: str,

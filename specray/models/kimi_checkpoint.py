@@ -1,6 +1,5 @@
 """Seeded random Kimi Linear checkpoints in the layout Moonshot's own checkpoints have (what
-``tiny-kimi-linear`` is made of, beside ``checkpoint_writer.random_weights`` for the other
-families): KDA layers with separate ``q/k/v_conv1d``, ``f_a/f_b_proj``, ``A_log [1, 1, heads, 1]``
+``tiny-kimi-linear`` is made of; ``checkpoint_writer.random_weights`` calls it for this family): KDA layers with separate ``q/k/v_conv1d``, ``f_a/f_b_proj``, ``A_log [1, 1, heads, 1]``
 and ``dt_bias``; MLA layers as DeepSeek's; dense MLPs under ``mlp``, MoE under
 ``block_sparse_moe`` with ``w1``/``w3``/``w2`` experts, a router with its score-correction bias
 and ``shared_experts``."""

@@ -68,6 +68,8 @@ class LinearPlan:
         for n, ctx, row, m in zip(meta.query_lens, meta.context_lens_list, meta.state_rows, num_drafts):
             if m and n != m + 1:
                 raise RuntimeError(f"a verify row feeds its last token and its {m} drafts, not {n} tokens")
+            if m and ctx <= n:  # the chunked rule keeps no per-position state: a rejection could not roll back
+                raise RuntimeError(f"a verify row with {m} drafts needs a verified token before them (context {ctx})")
             if n == m + 1 and ctx > n:
                 by_length.setdefault(n, []).append((start, row))
             else:

@@ -18,7 +18,6 @@ from pathlib import Path
 from specray.envs import cache_root
 from specray.models.builtin_models import BUILTIN_MODELS, builtin_model_path
 from specray.models.checkpoint_writer import random_weights, write_checkpoint
-from specray.models.kimi_checkpoint import random_kimi_linear_weights
 from specray.models.drafter_presets import (DRAFTER_SUFFIXES, MTP_CONFIG_KEYS, PRESET_FORMAT_TAG, drafter_preset,
                                            mtp_checkpoint)
 
@@ -108,7 +107,7 @@ def materialize(name: str, seed: int = 0) -> Path:
     try:
         if name in PRESETS:
             cfg = PRESETS[name]
-            weights = (random_kimi_linear_weights if cfg["model_type"] == "kimi_linear" else random_weights)(cfg, seed)
+            weights = random_weights(cfg, seed)
             num_mtp = next((cfg[key] for key in MTP_CONFIG_KEYS if cfg.get(key)), 0)
             if num_mtp:  # MTP modules inside the checkpoint, as DeepSeek-V3 and Qwen3-Next ship them
                 cfg, weights = mtp_checkpoint(cfg, weights, seed, num_mtp)

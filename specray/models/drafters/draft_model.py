@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from specray.comm.context import DistContext
-from specray.kv.geometry import KVLayout
 from specray.models.loader import load_model, read_model_arch
 from specray.models.block_attention import block_decode_attention
 from specray.models.decoder import CausalLM
@@ -30,7 +29,7 @@ class DraftModelDrafter(nn.Module):
     def __init__(self, model: CausalLM):
         super().__init__()
         self.model = model
-        self.kv_layout = KVLayout(model.arch.num_layers, model.num_local_kv_heads, model.arch.head_dim)
+        self.kv_layout = model.kv_layout  # K/V rows per kv head, or latent rows for an MLA draft model
 
     @classmethod
     def load(cls, path, ctx: DistContext, dtype: str, target: CausalLM) -> DraftModelDrafter:
