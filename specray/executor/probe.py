@@ -137,7 +137,8 @@ def probe_size(scheduler: Scheduler, config: EngineConfig, vocab_size: int, max_
     draft = scheduler.draft_allocator
     pages = (num_seqs * blocks_needed(longest, scheduler.tokens_per_block),
              num_seqs * blocks_needed(longest, scheduler.draft_tokens_per_block) if draft is not None else 0)
-    if longest > max_len or pages[0] > scheduler.allocator.num_free or (draft is not None and pages[1] > draft.num_free):
+    is_short = pages[0] > scheduler.allocator.num_free or (draft is not None and pages[1] > draft.num_free)
+    if longest > max_len or is_short:
         return (f"skipped: {num_seqs} sequences of up to {longest} tokens need {pages} (target, draft) pages and "
                 f"max_position_embeddings >= {longest}; the pools or the model are smaller")
     return size
