@@ -15,7 +15,7 @@ import pytest
 from specray import LLM, EngineConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
 from specray.executor.probe import PhaseTiming, fit_probe, phase_timing, probe_samples
-from specray.executor.step_cost import StepCost, StepShape
+from specray.executor.step_cost import StepCost, StepShape, probe_shapes
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,
@@ -44,9 +44,12 @@ def test_the_probe_fit_recovers_the_coefficients_of_a_timing_table(forwards):
     fitted = fit_probe(_phases(TRUE, forwards))
     assert fitted.coefficients == pytest.approx(TRUE.coefficients, rel=1e-9), fitted  # exact (rounding aside)
     # the drafter alone: the plain step of its rows plus the verify's drafting (12 ms + 3 ms + 2 ms x forwards)
-    alone = probe_samples(_phases(TRUE, forwards))[3]
-    assert alone == (StepShape(num_decode_rows=1, num_draft_rows=3, num_draft_forwards=forwards),
-                     pytest.approx(0.013 + 0.003 + 0.002 * forwards))
+    samples = probe_samples(_phases(TRUE, forwards))
+    assert samples[3] == (StepShape(num_decode_rows=1, num_draft_rows=3, num_draft_forwards=forwards),
+                          pytest.approx(0.013 + 0.003 + 0.002 * forwards))
+    # the samples are step_cost.probe_shapes' six, then the verify of one sequence
+    shapes = probe_shapes(max_num_seqs=4, ceiling=3, prefill_tokens=32, per_position=forwards == 3)
+    assert [shape for shape, _ in samples] == shapes + [_phases(TRUE, forwards)["verify_one"].shape]
 
 
 def test_a_feature_no_probe_step_varies_keeps_the_fixed_prior():
@@ -101,7 +104,8 @@ def test_the_probe_runs_at_start_up_and_leaves_nothing_behind(method, plain, cap
         prior = core.adaptive.cost.prior
         assert core.adaptive.prior_source == "probed" and prior != PRIOR_COST
         assert all(math.isfinite(c) and c >= 0 for c in prior.coefficients)
-        assert prior.c_step > 0 and prior.c_decode_row + prior.c_verify_row > 0  # the target was timed
+        # the target was timed (a coefficient may fit 0 on a busy 2-core host: only the sum is sure)
+        assert prior.predict(StepShape(num_decode_rows=4, num_verify_rows=12, num_draft_rows=12)) > 0
         assert core.worker.num_steps >= 20  # the probe's steps ran on the rank, through plans
         _check_clean(core)
         probe_prompt = [1 + i % 8 for i in range(32)]  # the probe's own dummy tokens: no hit on them
@@ -114,7 +118,8 @@ def test_the_probe_runs_at_start_up_and_leaves_nothing_behind(method, plain, cap
     assert step_cost["prior"] == "probed" and step_cost["prior_cost"] == prior.as_dict()
     [line] = [r.getMessage() for r in caplog.records if "adaptive speculation" in r.getMessage()]
     ms = float(re.search(r"probed in (\d+) ms", line).group(1))
-    assert "step cost (ms)" in line and ms < 3000, line  # bounded: ~100-200 ms here, on a shared CPU
+    # bounded: 100-200 ms on this host when idle; the bound leaves room for a loaded shared CPU
+    assert "step cost (ms)" in line and ms < 10_000, line
 
 
 def test_the_probe_at_tp_2_under_mp(plain):

@@ -181,7 +181,7 @@ class ProbeRun:
         self.num_steps += 1
         for sid, new in zip(plan.seq_ids, tokens):
             seq = self.seqs[sid]
-            if new is not None and new != [] and seq in self.scheduler.running:  # the last token is not fed yet
+            if new is not None and new != [] and seq.num_uncomputed == 1:  # sampled, not in the KV yet
                 seq.token_ids[-1] = self.token(len(seq.token_ids) - 1)
         spec = self.worker.spec
         return step_shape(self.method, plan, planned, num_drafts), seconds, spec.draft_seconds if spec else 0.0
