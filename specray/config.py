@@ -181,9 +181,16 @@ class SpecConfig:
     ceiling), by a step-cost model measured online and the request's own acceptance
     (docs/speculative.md, "Adaptive draft length"). False (the default until the benchmark
     grid says otherwise): every decoding request drafts ``num_draft_tokens`` every step."""
+    adaptive_probe: bool = True
+    """With ``adaptive``: time a short fixed schedule of steps on every rank at start-up and start
+    the step-cost model from their fit (``executor/probe.py``; a few hundred ms on tiny models).
+    False starts it from a fixed CPU guess (``adaptive.PRIOR_COST``) instead: for tests that must
+    start fast."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.adaptive, bool), f"adaptive ({self.adaptive!r}) must be True or False")
+        _require(isinstance(self.adaptive_probe, bool),
+                 f"adaptive_probe ({self.adaptive_probe!r}) must be True or False")
         _require(not self.adaptive or self.method is not None,
                  "adaptive=True chooses a draft length per step and needs a spec method; set method or drop adaptive")
         _require(self.method is None or self.method in SPEC_METHODS,

@@ -85,7 +85,8 @@ def run(ckpt, method, prompts, params, rule=None, log_dir=None, monkeypatch=None
     path = log_dir / "rank0.drafts" if log_dir is not None else None
     for line in (path.read_text().splitlines() if path is not None and path.exists() else []):
         sid, length, proposed, accepted = json.loads(line)
-        drafts[sid].append((length, proposed, accepted))
+        if sid >= 0:  # not the start-up probe's sequences (executor/probe.py): requests only
+            drafts[sid].append((length, proposed, accepted))
     return [o.token_ids for o in outs], dict(drafts), forced
 
 

@@ -7,10 +7,11 @@ drafts each row verified, the new tokens and the step's wall time on rank 0 (pla
 the followers, forward, collectives, sampling: what the ranks together took), and this
 records the step's shape and time in the online fit and each row's acceptance in its EMA.
 
-The prior (the fit's starting point, counted as ``prior_weight`` steps) is a rough CPU
-figure, not a measurement: the first window of real timings moves the fit to this host;
-the acceptance prior 0.5 with it makes every method start drafting at batch 1. No start-up
-probe steps are run (see docs/speculative.md, "Adaptive draft length").
+The prior (the fit's starting point, counted as ``prior_weight`` steps) is the start-up probe's
+fit (``executor/probe.py``: every rank timed on a short fixed schedule of steps before the
+first request); ``PRIOR_COST``, a rough CPU figure, stands in only when the probe is off
+(``SpecConfig.adaptive_probe=False``) or cannot run. The acceptance prior 0.5 with it makes
+every method start drafting at batch 1.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ PRIOR_COST = StepCost(c_step=5e-3, c_decode_row=2e-3, c_verify_row=1e-3, c_prefi
 
 
 class AdaptiveDraftLengths:
-    def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST,
-                 policy: DraftLengthPolicy | None = None, window: int = 256):
-        self.method, self.ceiling = method, ceiling
+    def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST, prior_source: str = "fixed",
+                 probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256):
+        """``prior_source``: "probed" (measured at start-up) or "fixed" (``PRIOR_COST``);
+        ``probe_note``: how the probe went, for the one start-up log line."""
+        self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
         self.cost = OnlineStepCost(prior, window=window, refit_every=8)
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
-        log.info("adaptive speculation (%s, lengths 0..%d): %s", method, ceiling, self.cost.describe())
+        log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s", method, ceiling,
+                 prior.describe(), probe_note or prior_source)
 
     def choose(self, decoding) -> list[int]:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""
@@ -52,25 +56,32 @@ class AdaptiveDraftLengths:
             self.controller.forget(sid)
         if not plan.seq_ids:
             return
-        num_drafts = num_drafts or [0] * len(plan.seq_ids)
-        decode_rows = verify_rows = draft_rows = prefill_tokens = longest = 0
-        for sid, ids, proposed, new in zip(plan.seq_ids, plan.input_ids, num_drafts, tokens):
-            planned = self._planned.get(sid)
-            if planned is None:  # a prefill row (or a chunk of one)
-                prefill_tokens += len(ids)
-                continue
-            decode_rows += 1
-            verify_rows += proposed
-            draft_rows += planned
-            longest = max(longest, planned)
-            if new is not None and new != []:
+        for sid, proposed, new in zip(plan.seq_ids, num_drafts or [0] * len(plan.seq_ids), tokens):
+            if sid in self._planned and new is not None and new != []:  # a decode row that sampled
                 accepted = len(new) - 1 if isinstance(new, list) else 0
                 self.controller.record(sid, proposed, min(accepted, proposed))
-        shape = StepShape(num_decode_rows=decode_rows, num_verify_rows=verify_rows,
-                          num_prefill_tokens=prefill_tokens, num_draft_rows=draft_rows,
-                          num_draft_forwards=draft_forwards(self.method, longest))
+        shape = step_shape(self.method, plan, self._planned, num_drafts)
         self.cost.record(shape, seconds)
         self._planned = {}
 
     def stats(self) -> dict:
-        return {**self.controller.stats(), "step_cost": self.cost.stats()}
+        return {**self.controller.stats(), "step_cost": {**self.cost.stats(), "prior": self.prior_source,
+                                                          "prior_cost": self.cost.prior.as_dict()}}
+
+
+def step_shape(method: str, plan: StepPlan, planned: dict[int, int], num_drafts: list[int] | None) -> StepShape:
+    """What a step computed, in the cost model's units: the rows given a draft length
+    (``planned``) decode, verifying the drafts the ranks proposed (``num_drafts``); any other
+    row is a prefill row (or a chunk of one)."""
+    decode_rows = verify_rows = draft_rows = prefill_tokens = longest = 0
+    for sid, ids, proposed in zip(plan.seq_ids, plan.input_ids, num_drafts or [0] * len(plan.seq_ids)):
+        length = planned.get(sid)
+        if length is None:
+            prefill_tokens += len(ids)
+            continue
+        decode_rows += 1
+        verify_rows += proposed
+        draft_rows += length
+        longest = max(longest, length)
+    return StepShape(num_decode_rows=decode_rows, num_verify_rows=verify_rows, num_prefill_tokens=prefill_tokens,
+                     num_draft_rows=draft_rows, num_draft_forwards=draft_forwards(method, longest))

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from specray.config import EngineConfig, SamplingParams
 from specray.errors import GrammarError
 from specray.executor import spec_metrics
-from specray.executor.adaptive import AdaptiveDraftLengths
 from specray.executor.outputs import AddRequests, EngineStats, RequestDelta, RequestOutput  # noqa: F401 (re-export)
+from specray.executor.probe import adaptive_draft_lengths
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.state_rows import state_slot_allocator
 from specray.executor.text import ChatPrompt, RequestText, encode_prompt, engine_tokenizer
@@ -99,7 +99,8 @@ class EngineCore:
                                    state_allocator=self.state_allocator)
         self.adaptive = None  # adaptive speculation: the draft lengths of each step (executor/adaptive.py)
         if config.spec.is_enabled and config.spec.adaptive:
-            self.adaptive = AdaptiveDraftLengths(config.spec.method, self.num_draft_tokens)
+            # its cost model starts from steps timed on every rank now, before any request (probe.py)
+            self.adaptive = adaptive_draft_lengths(self.scheduler, self._step, worker, config)
             self.scheduler.choose_draft_lengths = self.adaptive.choose
         self.live: dict[str, LiveRequest] = {}
         self._by_seq: dict[int, LiveRequest] = {}

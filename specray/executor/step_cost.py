@@ -170,7 +170,8 @@ def fit_step_cost(samples: list[tuple[StepShape, float]], prior: StepCost | None
 def probe_shapes(*, max_num_seqs: int, ceiling: int, prefill_tokens: int, per_position: bool) -> list[StepShape]:
     """Step shapes a start-up measurement times so that their timings determine every
     coefficient (for ``fit_step_cost`` without a prior), one shape per coefficient: plain
-    batches of two sizes, a prefill chunk, the drafter alone at two batch sizes, a full verify."""
+    batches of two sizes, a prefill chunk, the drafter alone at two batch sizes, a full verify
+    (``executor/probe.py`` times them, the drafter alone as a plain step plus a verify's drafting)."""
     if max_num_seqs < 2 or ceiling < 1 or prefill_tokens < 1:
         raise ConfigError(f"probe_shapes needs max_num_seqs ({max_num_seqs}) >= 2, ceiling ({ceiling}) >= 1 and "
                           f"prefill_tokens ({prefill_tokens}) >= 1")

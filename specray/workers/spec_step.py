@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +49,9 @@ class SpecRunner:
         # when the drafter reads them, so a run of steps without drafts copies each row once
         self.features: dict[int, list[torch.Tensor]] = {}
         self.num_drafts: list[int] = []  # drafts verified per scheduled sequence in the last step
+        # wall time of the last step's drafting (0 for a plain step): the start-up probe separates
+        # the drafter's cost from the verify's with it, since no step drafts without verifying
+        self.draft_seconds = 0.0
         self._plain_features: torch.Tensor | None = None  # the last plain step's features (target_forward)
         log_dir = os.environ.get("SPECRAY_TEST_DRAFTS_DIR")  # testing only: see envs.py
         self._draft_log = Path(log_dir) / f"rank{worker.ctx.rank}.drafts" if log_dir else None
@@ -90,7 +94,7 @@ class SpecRunner:
         """Mirror a plain step's effect on the drafter's state: the new tokens and the target
         features of the fed positions (as ``_keep`` after a verify of no drafts); nothing consumed."""
         self._apply_deltas(plan)
-        self.num_drafts = [0] * len(plan.seq_ids)
+        self.num_drafts, self.draft_seconds = [0] * len(plan.seq_ids), 0.0
         features, self._plain_features = self._plain_features, None
         first = 0
         for i, (sid, new) in enumerate(zip(plan.seq_ids, tokens)):
@@ -103,10 +107,13 @@ class SpecRunner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """New tokens per scheduled sequence: accepted drafts plus the bonus token."""
         self._apply_deltas(plan)
-        self.num_drafts = []
+        self.num_drafts, self.draft_seconds = [], 0.0
         if not plan.seq_ids:
             return []
+        started = time.perf_counter()
+        # ends on the host: the drafts come back as lists (a tensor drafter's tolist() waits for the device)
         drafts, draft_probs = self._draft(plan)
+        self.draft_seconds = time.perf_counter() - started
         inputs = [list(ids) + drafts.get(i, []) for i, ids in enumerate(plan.input_ids)]
         self.num_drafts = [len(drafts.get(i, [])) for i in range(len(inputs))]
         logits, features = self._score(plan, inputs, self.num_drafts)
