@@ -16,14 +16,18 @@ pages. The drafters (one group of rows each):
 Per drafter: static k for each of ``--ks``, and adaptive (``SpecConfig(adaptive=True)``) with the
 ceiling max(ks). A cell is (drafter, concurrency c): the prompts run in closed batches of c (c
 requests in flight from the first token to the last, no arrivals). tok/s = tokens / wall time,
-prefill included. Each configuration is one engine that runs every c; the configurations
-alternate round by round (a burst of load falls on all of them) and each cell keeps its fastest
-round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
+prefill included. Prefix caching is off in every configuration: each c runs the same prompts again,
+so with it the later passes would be cache hits, and how many depends on the drafter (a
+standalone drafter's pool publishes pages only once it has drafted on them, so a drafter held at
+length 0 gets none): that would measure the cache, not speculation. Each configuration is one
+engine that runs every c; the configurations alternate round by round (a burst of load falls on
+all of them) and each cell keeps its fastest round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
 decode rows in that cell's pass, ``off`` the steps it ran without drafting.
 
 Targets (issue 27), checked per cell: adaptive >= 0.97 x max(plain, the best static k); where
 every draft is rejected (``dflash-none``) >= 0.98 x plain; ngram at concurrency 1 >= the best
-static k's speedup.
+static k's speedup. And the length-0 step: adaptive engines (ngram, eagle3, dflash-none) with every
+length pinned to 0 (``PinnedOff``) against plain, a step's cost <= 1.02x a plain engine's.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from specray.models.presets import resolve_model, write_checkpoint
 
 MODEL = "smollm2-135m"
 LOOKUP = dict(prompt_lookup_min=1, prompt_lookup_max=4)
-TARGET_CELL, TARGET_NO_ACCEPTANCE = 0.97, 0.98
+TARGET_CELL, TARGET_NO_ACCEPTANCE, TARGET_LENGTH0 = 0.97, 0.98, 1.02
+PINNED_GROUPS = ("ngram", "eagle3", "dflash-none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,9 +63,12 @@ class Row:
     k: int
     adaptive: bool
     spec: SpecConfig
+    is_pinned_off: bool = False  # adaptive with every length pinned to 0: the length-0 step's own cost
 
     @property
     def label(self) -> str:
+        if self.is_pinned_off:
+            return f"{self.group} at length 0"
         return "plain" if not self.k else f"{self.group} {'adaptive <= ' if self.adaptive else 'k = '}{self.k}"
 
 
@@ -85,7 +93,31 @@ def configurations(args, dflash: str) -> list[Row]:
             spec = SpecConfig(num_draft_tokens=k, adaptive=adaptive,
                               force_accepted_tokens=force(k) if force else None, **kwargs)
             rows.append(Row(group=group, k=k, adaptive=adaptive, spec=spec))
+    # the length-0 step against a plain engine's (target <= 1.02x): the drafters that keep features
+    # while off (eagle3, dflash) and the pool-less one
+    for group in [g for g in groups if g in PINNED_GROUPS]:
+        pinned = next(r for r in rows if r.group == group and r.adaptive)
+        rows.append(Row(group=group, k=pinned.k, adaptive=True, spec=pinned.spec, is_pinned_off=True))
     return rows
+
+
+class PinnedOff:
+    """The controller with every decision 0, probes included; the rest (records, stats) its own."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def __getattr__(self, name):
+        return getattr(self.controller, name)
+
+    def decide(self, seq_ids: list[int], cost) -> list[int]:
+        return [0] * len(seq_ids)
+
+
+def pin_off(llm: LLM) -> None:
+    """Pin an adaptive engine's lengths to 0 (local launcher: its controller lives in this process)."""
+    adaptive = llm._engine.core.adaptive
+    adaptive.controller = PinnedOff(adaptive.controller)
 
 
 def adaptive_counts(llm: LLM) -> tuple[list[int], int]:
@@ -113,8 +145,11 @@ def run_rounds(rows: list[Row], chats: list, args) -> dict[tuple[int, int], dict
     best: dict[tuple[int, int], dict] = {}
     for r in range(args.rounds):
         for i, row in enumerate(rows):
-            cfg = EngineConfig(model=MODEL, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384), spec=row.spec)
+            cfg = EngineConfig(model=MODEL, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384,
+                                                        enable_prefix_caching=False), spec=row.spec)
             with LLM(cfg) as llm:
+                if row.is_pinned_off:
+                    pin_off(llm)
                 llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
                 for c in args.concurrency:
                     result = run_pass(llm, chats, c, params)
@@ -132,7 +167,7 @@ def cells(rows: list[Row], best: dict, args) -> list[dict]:
     """One line per (drafter group, c): plain, each static k, adaptive, the ratio and verdict."""
     out = []
     for group in dict.fromkeys(r.group for r in rows[1:]):
-        idx = [i for i, r in enumerate(rows) if r.group == group]
+        idx = [i for i, r in enumerate(rows) if r.group == group and not r.is_pinned_off]
         static = [i for i in idx if not rows[i].adaptive]
         adaptive = next(i for i in idx if rows[i].adaptive)
         for c in args.concurrency:
@@ -146,6 +181,18 @@ def cells(rows: list[Row], best: dict, args) -> list[dict]:
                         lengths=got["lengths"], off=got["off"])
             cell["verdicts"] = verdicts(group, c, cell, plain, by_k[best_k])
             out.append(cell)
+    return out
+
+
+def length0_cells(rows: list[Row], best: dict, args) -> list[dict]:
+    """Per pinned group and c: a plain step's cost against the length-0 step's (tok/s ratio)."""
+    out = []
+    for i, row in enumerate(rows):
+        if row.is_pinned_off:
+            for c in args.concurrency:
+                ratio = best[(0, c)]["tok_s"] / best[(i, c)]["tok_s"]
+                out.append(dict(drafter=row.group, c=c, plain=best[(0, c)]["tok_s"], length0=best[(i, c)]["tok_s"],
+                                cost=ratio, met=ratio <= TARGET_LENGTH0))
     return out
 
 
@@ -194,13 +241,19 @@ def main(argv: list[str] | None = None) -> int:
           f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), fastest of {args.rounds} "
           f"alternating round(s), {time.time() - start:.0f} s; tok/s\n")
     print(format_cells(result, args.ks))
+    off = length0_cells(rows, best, args)
+    print(f"\nlength-0 step cost (plain tok/s / pinned-at-0 tok/s; target <= {TARGET_LENGTH0})\n")
+    print("\n".join(["drafter | c | plain | at length 0 | cost | met", "---|---|---|---|---|---"] + [
+        f"{x['drafter']} | {x['c']} | {x['plain']:.1f} | {x['length0']:.1f} | {x['cost']:.3f} | "
+        f"{'yes' if x['met'] else 'NO'}" for x in off]))
     missed = [f"{x['drafter']} c={x['c']}: {v}" for x in result for v in x["verdicts"] if not v.endswith(": met")]
+    missed += [f"{x['drafter']} c={x['c']}: length-0 cost {x['cost']:.3f} > {TARGET_LENGTH0}" for x in off if not x["met"]]
     print("\n" + ("every cell meets its targets" if not missed else "NOT met:\n  " + "\n  ".join(missed)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
         concurrency=args.concurrency, rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
-        machine=platform.processor() or platform.machine(), cells=result,
+        machine=platform.processor() or platform.machine(), cells=result, length0=off,
         rows=[dict(label=r.label, c=c, **best[(i, c)]) for i, r in enumerate(rows) for c in args.concurrency]),
         indent=2))
     print(f"wrote {args.json}")
