@@ -138,3 +138,26 @@ def test_the_preset_carries_its_mtp_module():
         assert llm.geometry["target"].num_layers == 2  # its one full-attention layer and the MTP block
     assert [o.token_ids for o in outs] == [reference_greedy(reference, p, 32) for p in prompts]
     assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
+
+
+def test_a_preset_cached_before_it_had_its_mtp_module_is_written_anew(tmp_path, monkeypatch):
+    # a cache written by an older specray (tiny-qwen3-next without mtp.*) would otherwise fail
+    # `--spec mtp` with missing tensors: a preset is reused only while its config says what the preset says
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specray.models.presets import materialize
+
+    monkeypatch.setenv("SPECRAY_CACHE", str(tmp_path))
+    path = materialize("tiny-qwen3-next")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["mtp_num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(path / "model.safetensors")
+    save_file({n: t for n, t in weights.items() if not n.startswith("mtp.")}, str(path / "model.safetensors"))
+    assert materialize("tiny-qwen3-next") == path
+    assert json.loads((path / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    assert "mtp.fc.weight" in load_file(path / "model.safetensors")
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert materialize("tiny-qwen3-next") == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
