@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{x['drafter']} | {x['c']} | {x['plain']:.1f} | {x['length0']:.1f} | {x['cost']:.3f} | "
         f"{'yes' if x['met'] else 'NO'}" for x in off]))
     missed = [f"{x['drafter']} c={x['c']}: {v}" for x in result for v in x["verdicts"] if not v.endswith(": met")]
-    missed += [f"{x['drafter']} c={x['c']}: length-0 cost {x['cost']:.3f} > {TARGET_LENGTH0}" for x in off if not x["met"]]
+    missed += [f"{x['drafter']} c={x['c']}: length-0 cost {x['cost']:.3f} > {TARGET_LENGTH0}"
+               for x in off if not x["met"]]
     print("\n" + ("every cell meets its targets" if not missed else "NOT met:\n  " + "\n  ".join(missed)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(

@@ -270,7 +270,8 @@ def _one_layer_mlp(cfg: dict, layer: int) -> dict:
     """The config keys that keep ``layer``'s MLP (dense or MoE) as the only layer's."""
     if cfg.get("model_type") == "kimi_linear":
         is_moe = layer in read_mlp_layer_types(kimi_config(cfg), "draft")
-        lin = {k: v for k, v in (cfg.get("linear_attn_config") or {}).items() if k not in ("kda_layers", "full_attn_layers")}
+        lin = {key: value for key, value in (cfg.get("linear_attn_config") or {}).items()
+               if key not in ("kda_layers", "full_attn_layers")}  # layer_types names the one layer
         return dict(mlp_layer_types=["sparse" if is_moe else "dense"], linear_attn_config=lin)
     step = cfg.get("decoder_sparse_step", 1) or 1
     is_moe = layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0

@@ -46,14 +46,8 @@ from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, Rep
 from specray.models.drafters.mtp_format import DEEPSEEK_V3, MTPFormat, read_mtp_format
 from specray.models.layers import ParallelLMHead, RMSNorm
 from specray.models.mla import rotary_for
+from specray.models.qwen3_next import ZeroCentredRMSNorm
 from specray.models.loader import CheckpointReader
-
-
-class ZeroCentredRMSNorm(RMSNorm):
-    """Qwen3-Next's RMS norm, ``x * (1 + w)``: stored as ``w``, held as ``1 + w``."""
-
-    def load(self, reader, name: str) -> None:
-        self.weight.copy_(1.0 + reader.read(name))
 
 
 class MTPModule(nn.Module):
