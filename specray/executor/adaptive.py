@@ -10,8 +10,10 @@ records the step's shape and time in the online fit and each row's acceptance in
 The prior (the fit's starting point, counted as ``prior_weight`` steps) is the start-up probe's
 fit (``executor/probe.py``: every rank timed on a short fixed schedule of steps before the
 first request); ``PRIOR_COST``, a rough CPU figure, stands in only when the probe is off
-(``SpecConfig.adaptive_probe=False``) or cannot run. The acceptance prior 0.5 with it makes
-every method start drafting at batch 1.
+(``SpecConfig.adaptive_probe=False``) or cannot run. Each request's acceptance starts at 0.5
+per position (``draft_length.py``): with a drafter whose drafts cost much of a target step that
+means not drafting until a probe shows otherwise, which the grid measured as too slow for short
+requests (docs/speculative.md, "Adaptive draft length").
 """
 
 from __future__ import annotations
