@@ -199,15 +199,24 @@ class ProbeRun:
             self.scheduler.abort(seq)
         timings["prefill"] = phase_timing(prefills[1:])
         first = self.add()
-        while not first.output_ids:
-            self.step()
+        self._step_until_sampled([first], "the first sequence's prompt")
         timings["plain_one"], timings["verify_one"] = self.phase(0), self.phase(k)
         others = [self.add() for _ in range(self.size.num_seqs - 1)]
         self.length = 0
-        while any(not seq.output_ids for seq in others):  # admitting the batch: untimed
-            self.step()
+        self._step_until_sampled(others, "admitting the batch")  # untimed
         timings["plain_many"], timings["verify_many"] = self.phase(0), self.phase(k)
         return timings
+
+    def _step_until_sampled(self, seqs: list[Sequence], what: str) -> None:
+        """Untimed steps until each of ``seqs`` has sampled a token: at most one step per prompt
+        token (a step computes at least one), else an error rather than a loop without end."""
+        for _ in range(self.size.prompt_tokens * len(seqs)):
+            if all(seq.output_ids for seq in seqs):
+                return
+            self.step()
+        if not all(seq.output_ids for seq in seqs):
+            raise RuntimeError(f"the step-cost probe ({what}): {len(seqs)} sequence(s) of a {self.size.prompt_tokens}-"
+                               f"token prompt sampled nothing in {self.size.prompt_tokens * len(seqs)} steps")
 
     def close(self) -> None:
         """Abort every probe sequence and tell the ranks to forget them (one plan of no rows)."""
