@@ -8,6 +8,7 @@ they flap). The step times are what a known linear cost gives, so the online fit
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -183,3 +184,25 @@ def test_lengths_are_stable_under_a_steady_load():
     assert switches_in_last_200(0.05) <= 4  # at most 2 switches per 100 steps
     # mutation: without the margin the same load flaps (the estimates and the fit move each step)
     assert switches_in_last_200(0.0) > 3 * max(switches_in_last_200(0.05), 1)
+
+
+def test_a_confidence_gated_step_sends_the_verify_threshold_its_goodput_prices():
+    """dspark: a verified draft must add at least lam x c_verify_row tokens, lam the modelled
+    goodput (tokens per second) of the lengths chosen; no threshold when nothing drafts or the
+    drafter has no confidence head."""
+    cost = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.002)
+    adaptive = AdaptiveDraftLengths("dspark", K, prior=cost, confidence_gated=True)
+    for _ in range(4):
+        adaptive.controller.record(0, K, K)  # request 0 accepts everything: it drafts at the ceiling
+    seqs = [sequence(0, 6)]
+    assert adaptive.choose(seqs) == [K]
+    p = adaptive.controller.estimates(0)
+    tokens = 1 + sum(math.prod(p[:i + 1]) for i in range(K))
+    seconds = 0.010 + 0.003 + 0.002 * K
+    assert adaptive.verify_threshold == pytest.approx(tokens / seconds * 0.002, rel=1e-9)
+    assert 0.2 < adaptive.verify_threshold < 1
+    assert adaptive.choose([]) == [] and adaptive.verify_threshold is None
+    plain_head = AdaptiveDraftLengths("dspark", K, prior=cost)
+    plain_head.controller.record(0, K, K)
+    plain_head.choose(seqs)
+    assert plain_head.verify_threshold is None

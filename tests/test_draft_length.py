@@ -1,7 +1,9 @@
 """Per-request draft lengths (executor/draft_length.py): the expected-token rule with literals,
-the exact search against brute force, a replay of recorded histories and step times whose
-length is computed by hand, prefill rows outside the decision, stability under a steady
-noisy load (and a mutation: without the margin it flaps), the extremes, probes, bad input."""
+the evidence counts and the population estimate with literals, the exact search against brute
+force, a replay of recorded histories and step times whose length is computed by hand, a new
+request starting from what earlier ones showed (and deeper positions from shallower ones),
+prefill rows outside the decision, stability under a steady noisy load (and a mutation: without
+the margin it flaps), the extremes, probes, bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import random
 
 import pytest
 
-from specray.executor.draft_length import (AcceptanceEMA, DraftLengthController, DraftLengthPolicy, best_lengths,
+from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, Evidence, best_lengths,
                                            decode_seconds, draft_forwards, expected_tokens, goodput)
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape, fit_step_cost
 
@@ -24,12 +26,27 @@ def test_expected_tokens_is_one_plus_the_surviving_prefixes():
     assert expected_tokens(p, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
 
 
-def test_the_ema_sees_accepted_drafts_and_the_first_rejection_only():
-    ema = AcceptanceEMA([0.5, 0.5, 0.5])
-    ema.record(proposed=3, accepted=1, weight=0.5)  # draft 0 held, draft 1 rejected, draft 2 unseen
-    assert ema.probs == [0.75, 0.25, 0.5]
-    ema.record(proposed=0, accepted=0, weight=0.5)  # drafted nothing: nothing seen
-    assert ema.probs == [0.75, 0.25, 0.5]
+def test_the_evidence_counts_accepted_drafts_and_the_first_rejection_only():
+    ev = Evidence.empty(3, decay=0.5)
+    ev.record(proposed=3, accepted=1)  # draft 0 held, draft 1 rejected, draft 2 unseen
+    assert (ev.hits, ev.trials) == ([1.0, 0.0, 0.0], [1.0, 1.0, 0.0])
+    assert ev.estimate([0.5] * 3, weight=1.0) == [0.75, 0.25, 0.5]  # (1 x 0.5 + hits) / (1 + trials)
+    ev.record(proposed=0, accepted=0)  # drafted nothing: nothing seen
+    assert (ev.hits, ev.trials) == ([1.0, 0.0, 0.0], [1.0, 1.0, 0.0])
+    ev.record(proposed=1, accepted=0)  # position 0 seen again: its old counts weigh half
+    assert (ev.hits[0], ev.trials[0]) == (0.5, 1.5)
+    assert ev.estimate([0.5] * 3, weight=1.0)[0] == pytest.approx(1.0 / 2.5)
+
+
+def test_the_population_expects_an_unreached_position_to_do_as_the_one_before():
+    ev = Evidence.empty(3, decay=0.0)
+    assert ev.population_estimate(0.5) == [0.5, 0.5, 0.5]  # nothing seen: the prior everywhere
+    ev.record(proposed=3, accepted=1)
+    # p0 = (0.5 + 1) / 2, p1 = (p0 + 0) / 2, p2 = (p1 + 0) / (1 + 0): unseen, as p1
+    assert ev.population_estimate(0.5) == [0.75, 0.375, 0.375]
+    ev = Evidence.empty(5, decay=0.0)
+    ev.record(proposed=1, accepted=1)  # one probe accepted: every deeper position expects as much
+    assert ev.population_estimate(0.5) == [0.75] * 5
 
 
 @pytest.mark.parametrize("method", ["draft_model", "dflash", "ngram"])
@@ -54,18 +71,57 @@ def test_a_replay_of_histories_and_step_times_gives_the_length_the_rule_says():
     # ngram drafts without a model: the drafter's features never varied, a vanishing prior keeps them 0
     cost = fit_step_cost(samples, prior=StepCost(), prior_weight=1e-9)
     assert (cost.c_step, cost.c_decode_row, cost.c_verify_row) == pytest.approx((0.010, 0.003, 0.003), rel=1e-6)
-    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, ema_weight=0.5, prior_acceptance=0.5), "ngram")
+    # population_memory huge: the engine-wide counts do not decay within this replay
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, ema_weight=0.5, prior_acceptance=0.5,
+                                                  population_weight=1.0, population_memory=10**12), "ngram")
     for proposed, accepted in [(3, 3), (3, 3), (3, 1)]:
-        ctl.record(0, proposed, accepted)  # A: [.5]*3 -> [.75]*3 -> [.875]*3 -> [.9375, .4375, .875]
+        ctl.record(0, proposed, accepted)  # A's own (decay 0.5): hits [1.75, .75, 1.5] over trials [1.75, 1.75, 1.5]
     for proposed, accepted in [(3, 0), (3, 0)]:
-        ctl.record(1, proposed, accepted)  # B: position 0 -> .25 -> .125, the rest unseen: [.125, .5, .5]
-    assert ctl.requests[0].probs == [0.9375, 0.4375, 0.875] and ctl.requests[1].probs == [0.125, 0.5, 0.5]
-    # E_A(k) = 1, 1.9375, 2.34765625, 2.70654296875; E_B(k) = 1, 1.125, 1.1875, 1.21875; T = 16 + 3 (kA + kB) ms
-    # tokens per ms: (0,0) 2/16 = .1250, (1,0) 2.9375/19 = .1546, (2,0) 3.3477/22 = .1522, (3,0) .1483,
-    # (1,1) 3.0625/22 = .1392: B's first draft adds .125 tokens for 3 ms, A's second .41 for 3 ms, both below .1546
+        ctl.record(1, proposed, accepted)  # B's own: position 0 hits 0 over 1.5 trials, the rest unseen
+    # the population: hits [3, 2, 2] over trials [5, 3, 2]; p0 = 3.5/6, p1 = (p0 + 2)/4, p2 = (p1 + 2)/3
+    pop = [3.5 / 6]
+    pop += [(pop[0] + 2) / 4]
+    pop += [(pop[1] + 2) / 3]
+    assert ctl.population_estimate() == pytest.approx(pop, rel=1e-12)
+    a = [(pop[0] + 1.75) / 2.75, (pop[1] + 0.75) / 2.75, (pop[2] + 1.5) / 2.5]  # one population trial each
+    b = [pop[0] / 2.5, pop[1], pop[2]]  # B never reached positions 1 and 2: the population's
+    assert ctl.estimates(0) == pytest.approx(a, rel=1e-12) and ctl.estimates(1) == pytest.approx(b, rel=1e-12)
+    # a = [.8485, .5076, .9528], b = [.2333, .6458, .8819]: E_A(k) = 1, 1.8485, 2.2792, 2.6895;
+    # E_B(k) = 1, 1.2333, 1.3840, 1.5169; T = 16 + 3 (kA + kB) ms. Tokens per ms: (0,0) 2/16 = .1250,
+    # (1,0) 2.8485/19 = .1499, (2,0) 3.2792/22 = .1491, (3,0) .1476, (1,1) 3.0818/22 = .1401:
+    # B's first draft adds .23 tokens for 3 ms, A's second .43 for 3 ms, both below .1499
     assert ctl.decide([0, 1], cost) == [1, 0]
-    assert goodput(list(ctl.requests[i].probs for i in (0, 1)), [1, 0], cost, "ngram") == \
-        pytest.approx(2.9375 / 0.019)
+    assert goodput([a, b], [1, 0], cost, "ngram") == pytest.approx((1 + a[0] + 1) / 0.019)
+
+
+def test_a_new_request_starts_from_what_earlier_requests_showed():
+    # a drafter whose draft costs ~0.4 plain steps (dflash on SmolLM2 here): at the prior 0.3 it does
+    # not pay, at acceptance 1 the ceiling does
+    cost = StepCost(c_step=0.005, c_decode_row=0.012, c_verify_row=0.0035, c_draft_row=0.004)
+    policy = DraftLengthPolicy(ceiling=5, prior_acceptance=0.3)
+    assert best_lengths([[0.3] * 5], cost, "dflash", 5) == [0]
+    assert best_lengths([[1.0] * 5], cost, "dflash", 5) == [5]
+    ctl = DraftLengthController(policy, "dflash")
+    assert ctl.decide([0], cost) == [1]  # the engine has verified nothing: the first request probes at once
+    ctl.record(0, 1, 1)  # accepted: position 0 at (0.3 + 1) / 2, every deeper one expects the same
+    assert ctl.population_estimate() == pytest.approx([0.65] * 5)
+    # each verify raises every position's estimate: the ceiling within a few steps, not one position
+    # per probe interval (a deeper position expects what the one before it showed)
+    lengths = []
+    for _ in range(8):
+        lengths += ctl.decide([0], cost)
+        ctl.record(0, lengths[-1], lengths[-1])
+    assert lengths[4:] == [5] * 4 and lengths == sorted(lengths), lengths
+    ctl.forget(0)
+    assert ctl.decide([1], cost) == [5]  # a new request drafts at the ceiling from its first step
+    fresh = DraftLengthController(policy, "dflash")
+    fresh.record(9, 1, 1)  # mutation: what one probe showed, without the verifies at depth
+    assert fresh.estimates(1)[0] < ctl.estimates(1)[0]
+    # and a request unlike the others moves away within a few verifies
+    for _ in range(3):
+        ctl.record(1, 5, 0)
+        ctl.decide([1], cost)
+    assert ctl.decide([1], cost) == [0]
 
 
 def test_the_decision_ignores_prefill_rows():
@@ -125,13 +181,15 @@ def test_acceptance_zero_gives_length_zero_and_one_with_cheap_verify_the_ceiling
 
 def test_a_request_at_length_zero_probes_after_the_interval():
     ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0), "ngram")
-    runs = [ctl.decide([7], CPU) for _ in range(6)]
-    assert runs == [[0], [0], [0], [0], [1], [1]]
+    # nothing verified yet anywhere: the first request probes from its first step until a verify
+    assert [ctl.decide([7], CPU) for _ in range(2)] == [[1], [1]]
     ctl.record(7, 1, 0)  # the probe was verified (and rejected): the interval starts again
     assert [ctl.decide([7], CPU) for _ in range(5)] == [[0], [0], [0], [0], [1]]
+    assert ctl.decide([8], CPU) == [0]  # a later request waits its interval: the engine has seen drafts
     stats = ctl.stats()
-    assert stats["draft_length_histogram"] == [8, 3, 0, 0]
-    assert stats["num_steps_without_drafting"] == 8
+    assert stats["draft_length_histogram"] == [5, 3, 0, 0]
+    assert stats["num_steps_without_drafting"] == 5
+    assert stats["population_acceptance"] == [0.0, 0.0, 0.0]
     ctl.forget(7)
     assert 7 not in ctl.requests and 7 not in ctl.chosen
 
@@ -153,7 +211,9 @@ def test_draft_forwards_per_method():
     (lambda: DraftLengthPolicy(ceiling=4, prior_acceptance=2), r"prior_acceptance \(2\) must be in \[0.0, 1.0\]"),
     (lambda: DraftLengthPolicy(ceiling=4, switch_margin=-0.1), r"switch_margin \(-0.1\) must be >= 0"),
     (lambda: DraftLengthPolicy(ceiling=4, probe_interval=0), r"probe_interval \(0\) must be an integer >= 1"),
-    (lambda: AcceptanceEMA([0.5]).record(1, 2, 0.5), r"accepted \(2\) <= proposed \(1\) <= ceiling \(1\)"),
+    (lambda: DraftLengthPolicy(ceiling=4, population_weight=-1), r"population_weight \(-1\) must be >= 0"),
+    (lambda: DraftLengthPolicy(ceiling=4, population_memory=0), r"population_memory \(0\) must be an integer >= 1"),
+    (lambda: Evidence.empty(1, 0.5).record(1, 2), r"accepted \(2\) <= proposed \(1\) <= ceiling \(1\)"),
     (lambda: DraftLengthController(DraftLengthPolicy(ceiling=2), "medusa").decide([0], CPU),
      r"spec method 'medusa' must be one of"),
 ])

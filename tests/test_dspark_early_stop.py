@@ -5,6 +5,11 @@ proposes draft j only while the product of its confidence head's predictions for
 The checkpoint's confidence head is set so the stop is known: proj weight 0 and bias 0 make
 every prediction sigmoid(0) = 0.5, so the products are 0.5, 0.25, 0.125, ...; with threshold
 0.2 every step proposes exactly 2 drafts (0.25 >= 0.2 > 0.125), with threshold 0.6 none.
+
+Under adaptive speculation without a fixed threshold the step plan carries one from rank 0's
+cost model (λ c_verify_row, executor/adaptive.py): the drafts each step proposes are the ones
+that threshold admits, and without the gate (a mutation) every row proposes k; at TP 2 both
+ranks follow rank 0's threshold.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from drafter_checkpoints import empty_pools, load, propose, write_dspark
 from safetensors.torch import load_file, save_file
 
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray.executor.step_cost import StepCost
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 61, 30)]  # prompt + 40 tokens crosses 32/64-token pages
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -36,10 +42,10 @@ def ckpt(tmp_path_factory):
     return target, drafter
 
 
-def engine(ckpt, method="dspark", threshold=None, page=32, tp=1) -> EngineConfig:
+def engine(ckpt, method="dspark", threshold=None, page=32, tp=1, adaptive=False) -> EngineConfig:
     target, drafter = ckpt
     spec = SpecConfig(method=method, draft_model=str(drafter) if method else None, num_draft_tokens=K,
-                      dspark_confidence_threshold=threshold)
+                      dspark_confidence_threshold=threshold, adaptive=adaptive)
     parallel = ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local", check_every_step=tp > 1,
                               timeout_s=60.0)
     return EngineConfig(model=str(target), kv=KVConfig(tokens_per_block=page, capacity_tokens=4096), spec=spec,
@@ -79,6 +85,82 @@ def test_off_by_default_proposes_k_drafts_and_changes_nothing(ckpt, plain):
 def test_a_threshold_above_the_first_confidence_drafts_nothing(ckpt, plain):
     tokens, drafted, _ = _run(engine(ckpt, threshold=0.6))
     assert tokens == plain and drafted == 0
+
+
+class FixedCost:
+    """The adaptive controller's cost model held at literals (the step timings are not recorded),
+    so the thresholds it sends depend on the acceptance seen only."""
+
+    cost = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)
+    prior = cost
+
+    def record(self, shape, seconds):
+        pass
+
+    def stats(self):
+        return {}
+
+
+class AtCeiling:
+    """The length decision pinned at K (records and stats the controller's own)."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def __getattr__(self, name):
+        return getattr(self.controller, name)
+
+    def decide(self, seq_ids, cost):
+        self.controller.decide(seq_ids, cost)  # keeps its probes' and histogram's bookkeeping
+        return [K] * len(seq_ids)
+
+
+def _run_gated(ckpt, is_gated=True):
+    """Tokens, drafts proposed, the drafts the thresholds admit, decode steps and the controller's stats; one
+    request, so each step with a decode row has one threshold and one proposal."""
+    with LLM(engine(ckpt, adaptive=True)) as llm:
+        adaptive = llm._engine.core.adaptive
+        assert adaptive.confidence_gated  # dspark with a head and no fixed threshold
+        adaptive.confidence_gated = is_gated
+        adaptive.cost, adaptive.controller = FixedCost(), AtCeiling(adaptive.controller)
+        sched = llm._engine.core.scheduler
+        choose, thresholds = sched.choose_draft_lengths, []
+
+        def spy(decoding):
+            lengths = choose(decoding)
+            if decoding:
+                thresholds.append(adaptive.verify_threshold)
+            return lengths
+
+        sched.choose_draft_lengths = spy
+        out = llm.generate(PROMPTS[1:2], PARAMS)[0]
+        stats = adaptive.stats()
+    # the confidences are all 0.5: draft j is verified while 0.5 ** (j + 1) >= the threshold
+    admitted = sum(K if t is None else sum(0.5 ** (j + 1) >= t for j in range(K)) for t in thresholds)
+    return out.token_ids, out.metrics["num_draft_tokens"], admitted, len(thresholds), stats
+
+
+def test_adaptive_speculation_gates_the_verify_by_the_confidence_head(ckpt, plain):
+    tokens, drafted, admitted, num_steps, stats = _run_gated(ckpt)
+    assert tokens == plain[1]
+    assert drafted == admitted  # every step proposed exactly what its threshold admits
+    # K drafted per decode step (AtCeiling); what the head cut is counted, and it cut some
+    assert 0 < stats["num_drafts_not_verified"] == K * num_steps - drafted
+    # mutation: without the gate every step verifies all K drafts
+    ungated_tokens, ungated, _, _, ungated_stats = _run_gated(ckpt, is_gated=False)
+    assert ungated_tokens == plain[1] and ungated > drafted
+    assert "num_drafts_not_verified" not in ungated_stats
+
+
+def test_two_ranks_follow_rank_zeros_verify_threshold(ckpt, plain):
+    """TP 2, tokens compared on every step: the threshold travels in the plan. (The cost model
+    here is the measured one, so how much it cuts is not known in advance; the rule is the
+    test above.)"""
+    with LLM(engine(ckpt, tp=2, adaptive=True)) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        stats = llm.stats().adaptive
+    assert [o.token_ids for o in outs] == plain
+    assert stats["num_drafts_not_verified"] >= 0 and sum(stats["draft_length_histogram"]) > 0
 
 
 def test_sampled_requests_with_early_stop_keep_their_draft_probabilities_aligned(ckpt):

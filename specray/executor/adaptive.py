@@ -14,13 +14,20 @@ first request); ``PRIOR_COST``, a rough CPU figure, stands in only when the prob
 per position (``draft_length.py``): with a drafter whose drafts cost much of a target step that
 means not drafting until a probe shows otherwise, which the grid measured as too slow for short
 requests (docs/speculative.md, "Adaptive draft length").
+
+With a confidence head (dspark, ``confidence_gated``) the lengths chosen are what each row drafts,
+and the head decides, draft by draft, what is verified: ``verify_threshold`` = λ c_verify_row,
+with λ the modelled goodput of the chosen lengths (tokens per second) and c_verify_row the
+seconds a verified draft adds. A draft whose predicted probability of being reached is below it
+is expected to add fewer tokens than its verify row's time is worth at that rate (the draft
+itself is already computed: a block drafter drafts every position in one forward).
 """
 
 from __future__ import annotations
 
 import logging
 
-from specray.executor.draft_length import DraftLengthController, DraftLengthPolicy, draft_forwards
+from specray.executor.draft_length import DraftLengthController, DraftLengthPolicy, draft_forwards, goodput
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape
 from specray.workers.plan import StepPlan
 
@@ -34,10 +41,15 @@ PRIOR_COST = StepCost(c_step=5e-3, c_decode_row=2e-3, c_verify_row=1e-3, c_prefi
 
 class AdaptiveDraftLengths:
     def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST, prior_source: str = "fixed",
-                 probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256):
+                 probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256,
+                 confidence_gated: bool = False):
         """``prior_source``: "probed" (measured at start-up) or "fixed" (``PRIOR_COST``);
-        ``probe_note``: how the probe went, for the one start-up log line."""
+        ``probe_note``: how the probe went, for the one start-up log line; ``confidence_gated``:
+        the drafter's confidence head decides what is verified (see the module docstring)."""
         self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
+        self.confidence_gated = confidence_gated
+        self.verify_threshold: float | None = None  # this step's, when confidence-gated
+        self.num_drafts_not_verified = 0  # drafted by the chosen length, cut by the confidence head
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
         self.cost = OnlineStepCost(prior, window=window, refit_every=8)
@@ -48,8 +60,13 @@ class AdaptiveDraftLengths:
     def choose(self, decoding) -> list[int]:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""
         ids = [seq.seq_id for seq in decoding]
-        lengths = self.controller.decide(ids, self.cost.cost)
+        cost = self.cost.cost
+        lengths = self.controller.decide(ids, cost)
         self._planned = dict(zip(ids, lengths))
+        self.verify_threshold = None
+        if self.confidence_gated and any(lengths):
+            rate = goodput([self.controller.estimates(s) for s in ids], lengths, cost, self.method)
+            self.verify_threshold = min(1.0, rate * cost.c_verify_row)
         return lengths
 
     def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float) -> None:
@@ -62,12 +79,14 @@ class AdaptiveDraftLengths:
             if sid in self._planned and new is not None and new != []:  # a decode row that sampled
                 accepted = len(new) - 1 if isinstance(new, list) else 0
                 self.controller.record(sid, proposed, min(accepted, proposed))
+                self.num_drafts_not_verified += max(self._planned[sid] - proposed, 0)
         shape = step_shape(self.method, plan, self._planned, num_drafts)
         self.cost.record(shape, seconds)
         self._planned = {}
 
     def stats(self) -> dict:
-        return {**self.controller.stats(), "step_cost": {**self.cost.stats(), "prior": self.prior_source,
+        gated = {"num_drafts_not_verified": self.num_drafts_not_verified} if self.confidence_gated else {}
+        return {**self.controller.stats(), **gated, "step_cost": {**self.cost.stats(), "prior": self.prior_source,
                                                           "prior_cost": self.cost.prior.as_dict()}}
 
 

@@ -2,9 +2,22 @@
 
 The decision of adaptive speculation (issue 27); executor/adaptive.py wires it into the step loop.
 
-Each request keeps a per-position acceptance estimate p_i: the probability that draft i is
-accepted given that drafts before it were, an exponential moving average of what its verify
-steps showed (drafts 0..n-1 accepted, draft n rejected when n < proposed, later ones unseen).
+Each request has a per-position acceptance estimate p_i: the probability that draft i is
+accepted given that drafts before it were. What a verify step shows (drafts 0..n-1 accepted,
+draft n rejected when n < proposed, later ones unseen) is counted per position, twice:
+
+- in the request's own evidence (hits and trials, every count decayed by ``ema_weight`` when its
+  position is seen again, so the newest verify weighs that much);
+- in the engine-wide population (the same counts over every request, decayed by
+  1 / ``population_memory``): what a request should expect before it has shown anything.
+
+The population's estimate of position 0 is its hits over its trials with ``prior_acceptance``
+counted as one trial; a deeper position i counts position i-1's estimate as its one prior trial
+(a position no request reached yet is expected to do as the one before it, so a drafter that
+is always right is tried at the ceiling after its first verified draft, not one position per
+probe). A request's p_i is its own hits over trials with the population's p_i counted as
+``population_weight`` trials, so a new request starts where the engine's requests left off,
+and a request unlike them moves away within a few verifies.
 A length k then yields ``expected_tokens(p, k) = 1 + sum_{i<k} prod_{j<=i} p_j`` tokens.
 
 Each step the decode rows (only they: prefill rows are not an argument, so an arriving
@@ -27,7 +40,8 @@ the best choice's modelled goodput beats theirs by more than ``switch_margin`` (
 noise moves the fit a little every step, and a near-tie would otherwise flap.
 
 Staleness of the estimate: a request at length 0 shows nothing, so after ``probe_interval``
-steps without a verify it drafts one token (a probe) to refresh p_0.
+steps without a verify it drafts one token (a probe) to refresh p_0; while the engine has never
+verified a draft (its first requests), a request probes at its first decode step.
 """
 
 from __future__ import annotations
@@ -150,9 +164,13 @@ class DraftLengthPolicy:
     ceiling: int
     """The longest draft (SpecConfig.num_draft_tokens)."""
     ema_weight: float = 0.25
-    """The weight of the newest verify step in each acceptance estimate."""
+    """The weight of the newest verify step in a request's own evidence at each position."""
     prior_acceptance: float = 0.5
-    """Each position's estimate before a request has shown anything."""
+    """Position 0's estimate before any request has shown anything (one trial's weight)."""
+    population_weight: float = 2.0
+    """Trials the engine-wide estimate counts as in each request's estimate."""
+    population_memory: int = 64
+    """Verifies of a position the engine-wide estimate remembers (its counts decay by 1 / this)."""
     switch_margin: float = 0.05
     """Keep the previous lengths unless the best beats their modelled goodput by this fraction."""
     probe_interval: int = 32
@@ -162,6 +180,10 @@ class DraftLengthPolicy:
         _check_ceiling(self.ceiling)
         _require_in(self.ema_weight, "ema_weight", 0.0, 1.0, low_open=True)
         _require_in(self.prior_acceptance, "prior_acceptance", 0.0, 1.0)
+        if not (isinstance(self.population_weight, (int, float)) and self.population_weight >= 0):
+            raise ConfigError(f"population_weight ({self.population_weight!r}) must be >= 0 (trials)")
+        if not isinstance(self.population_memory, int) or self.population_memory < 1:
+            raise ConfigError(f"population_memory ({self.population_memory!r}) must be an integer >= 1 (verifies)")
         if not (isinstance(self.switch_margin, (int, float)) and self.switch_margin >= 0):
             raise ConfigError(f"switch_margin ({self.switch_margin!r}) must be >= 0 (a fraction of goodput)")
         if not isinstance(self.probe_interval, int) or self.probe_interval < 1:
@@ -175,23 +197,47 @@ def _require_in(value, name: str, low: float, high: float, low_open: bool = Fals
 
 
 @dataclass(slots=True)
-class AcceptanceEMA:
-    """One request's per-position acceptance estimates (see the module docstring)."""
+class Evidence:
+    """Per-position acceptance counts (hits, trials), each position's decayed by ``decay`` when
+    it is seen again (see the module docstring)."""
 
-    probs: list[float]
-    steps_unverified: int = 0  # steps since it last verified a draft
+    hits: list[float]
+    trials: list[float]
+    decay: float
 
-    def record(self, proposed: int, accepted: int, weight: float) -> None:
-        if not 0 <= accepted <= proposed <= len(self.probs):
-            raise ConfigError(f"accepted ({accepted}) <= proposed ({proposed}) <= ceiling ({len(self.probs)}) "
+    @classmethod
+    def empty(cls, ceiling: int, decay: float) -> Evidence:
+        return cls([0.0] * ceiling, [0.0] * ceiling, decay)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if not 0 <= accepted <= proposed <= len(self.trials):
+            raise ConfigError(f"accepted ({accepted}) <= proposed ({proposed}) <= ceiling ({len(self.trials)}) "
                               f"must hold, each >= 0")
-        if not proposed:
-            return  # nothing was verified: nothing was seen
-        self.steps_unverified = 0
         # drafts 0..accepted-1 held; draft `accepted` was rejected if it was proposed; later ones unseen
+        keep = 1.0 - self.decay
         for i in range(min(accepted + 1, proposed)):
-            seen = 1.0 if i < accepted else 0.0
-            self.probs[i] += weight * (seen - self.probs[i])
+            self.hits[i] = keep * self.hits[i] + (i < accepted)
+            self.trials[i] = keep * self.trials[i] + 1.0
+
+    def estimate(self, prior: list[float], weight: float) -> list[float]:
+        """Hits over trials per position, ``prior[i]`` counted as ``weight`` trials."""
+        return [(weight * q + h) / (weight + n) if weight + n > 0 else q
+                for q, h, n in zip(prior, self.hits, self.trials)]
+
+    def population_estimate(self, prior_acceptance: float) -> list[float]:
+        """Position 0 shrunk to ``prior_acceptance``, each deeper one to the estimate before it
+        (one trial each): the population's expectation of every position."""
+        out, prior = [], prior_acceptance
+        for h, n in zip(self.hits, self.trials):
+            prior = (prior + h) / (1.0 + n)
+            out.append(prior)
+        return out
+
+
+@dataclass(slots=True)
+class RequestAcceptance:
+    evidence: Evidence
+    steps_unverified: int = 0  # steps since it last verified a draft
 
 
 @dataclass(slots=True)
@@ -200,22 +246,42 @@ class DraftLengthController:
 
     policy: DraftLengthPolicy
     method: str
-    requests: dict[int, AcceptanceEMA] = field(default_factory=dict)
+    requests: dict[int, RequestAcceptance] = field(default_factory=dict)
     chosen: dict[int, int] = field(default_factory=dict)  # each request's held length (before probes)
     length_histogram: Counter = field(default_factory=Counter)  # decode rows per length run
     num_steps_without_drafting: int = 0
     num_switches: int = 0  # steps whose held lengths changed for a request that already had one
+    population: Evidence = field(init=False)  # every request's verifies, engine-wide
 
-    def _state(self, seq_id: int) -> AcceptanceEMA:
+    def __post_init__(self) -> None:
+        self.population = Evidence.empty(self.policy.ceiling, 1.0 / self.policy.population_memory)
+
+    def _state(self, seq_id: int) -> RequestAcceptance:
         if seq_id not in self.requests:
-            self.requests[seq_id] = AcceptanceEMA([self.policy.prior_acceptance] * self.policy.ceiling)
+            # before the engine has verified anything, a new request is due a probe at once
+            due = self.policy.probe_interval if not self.has_verified else 0
+            self.requests[seq_id] = RequestAcceptance(Evidence.empty(self.policy.ceiling, self.policy.ema_weight), due)
         return self.requests[seq_id]
+
+    @property
+    def has_verified(self) -> bool:
+        return any(self.population.trials)
+
+    def population_estimate(self) -> list[float]:
+        return self.population.population_estimate(self.policy.prior_acceptance)
+
+    def estimates(self, seq_id: int) -> list[float]:
+        """The acceptance estimate per position of a request (the population's for a new one)."""
+        state = self.requests.get(seq_id)
+        population = self.population_estimate()
+        return population if state is None else state.evidence.estimate(population, self.policy.population_weight)
 
     def decide(self, decode_ids: list[int], cost: StepCost) -> list[int]:
         """Lengths for this step's decode rows (prefill rows are not passed: they never draft)."""
         draft_forwards(self.method, 0)  # an unknown method fails here, before any state changes
         states = [self._state(s) for s in decode_ids]
-        probs = [st.probs for st in states]
+        population = self.population_estimate()
+        probs = [st.evidence.estimate(population, self.policy.population_weight) for st in states]
         best = best_lengths(probs, cost, self.method, self.policy.ceiling)
         held = [self.chosen.get(s, b) for s, b in zip(decode_ids, best)]
         lengths = held
@@ -233,8 +299,12 @@ class DraftLengthController:
         return run
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """What a decode row's verify showed (``proposed`` 0: it drafted nothing)."""
-        self._state(seq_id).record(proposed, accepted, self.policy.ema_weight)
+        """What a decode row's verify showed (``proposed`` 0: it drafted nothing, nothing seen)."""
+        state = self._state(seq_id)
+        state.evidence.record(proposed, accepted)
+        if proposed:
+            state.steps_unverified = 0
+            self.population.record(proposed, accepted)
 
     def forget(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
@@ -243,4 +313,5 @@ class DraftLengthController:
     def stats(self) -> dict:
         return {"draft_length_histogram": [self.length_histogram[k] for k in range(self.policy.ceiling + 1)],
                 "num_steps_without_drafting": self.num_steps_without_drafting,
-                "num_draft_length_switches": self.num_switches}
+                "num_draft_length_switches": self.num_switches,
+                "population_acceptance": [round(p, 4) for p in self.population_estimate()]}

@@ -189,6 +189,8 @@ class EngineCore:
             raise RuntimeError("the engine stopped after a failed step; close it and start a new one")
         try:
             plan = self.scheduler.schedule()
+            if self.adaptive is not None:
+                plan.verify_threshold = self.adaptive.verify_threshold  # None unless confidence-gated
             self._ask_prompt_logprobs(plan)
             started = time.perf_counter()
             tokens = self._step(plan)

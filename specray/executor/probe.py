@@ -255,9 +255,11 @@ def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineCon
     """Adaptive speculation's controller, its cost model starting from the probe's fit (or, with
     ``SpecConfig.adaptive_probe=False`` or where the probe cannot run, from ``PRIOR_COST``)."""
     spec = config.spec
+    # dspark's confidence head decides what is verified, unless the user fixed its threshold
+    gated = spec.dspark_confidence_threshold is None and getattr(worker.drafter, "has_confidence_head", False)
     probe = probe_step_cost(scheduler, step, worker, config) if spec.adaptive_probe else "off (adaptive_probe=False)"
     if isinstance(probe, str):
         return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=PRIOR_COST, prior_source="fixed",
-                                    probe_note=f"fixed (the probe {probe})")
+                                    probe_note=f"fixed (the probe {probe})", confidence_gated=gated)
     return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=probe.cost, prior_source="probed",
-                                probe_note=probe.describe())
+                                probe_note=probe.describe(), confidence_gated=gated)

@@ -23,6 +23,9 @@ class StepPlan:
     num_drafts: list[int] = field(default_factory=list)  # most drafts to propose and verify, per sequence
     new_draft_blocks: list[list[int]] = field(default_factory=list)  # pages appended to draft block tables
     truncated: dict[int, tuple[int, int]] = field(default_factory=dict)  # rollback: (target, draft) table lengths
+    # adaptive speculation with a confidence head (dspark): verify a row's drafts only while the
+    # head's predicted P(every draft so far accepted) is at least this; None: the drafter's own rule
+    verify_threshold: float | None = None
     # Only for requests that asked for prompt log-probabilities, in the steps that feed their prompt:
     prompt_logprobs: dict[int, int | None] = field(default_factory=dict)  # the prompt token after the fed ones
     is_shutdown: bool = False

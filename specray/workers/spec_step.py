@@ -170,7 +170,7 @@ class SpecRunner:
         sids = [plan.seq_ids[i] for i in rows]
         pools, block_size, tables = self._draft_kv()
         seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, [])) for s in sids]
-        batch = DraftBatch(seqs, k, pools, block_size, w.ctx.device)
+        batch = DraftBatch(seqs, k, pools, block_size, w.ctx.device, confidence_threshold=plan.verify_threshold)
         probs: dict[int, list[torch.Tensor]] = {}
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:

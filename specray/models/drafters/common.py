@@ -51,6 +51,7 @@ class DraftBatch:
     pools: list[torch.Tensor]  # the drafter's layers, in order
     block_size: int
     device: torch.device
+    confidence_threshold: float | None = None  # this step's early stop (dspark), over the drafter's own
 
 
 def last_rows(query_lens: list[int], device: torch.device) -> torch.Tensor:

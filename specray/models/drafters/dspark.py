@@ -15,6 +15,9 @@ Per step, on the block's normed outputs o_s (slot s at position L-1+s):
   draft j only while c_0 * ... * c_j >= τ: the product is the predicted probability that
   drafts 0..j are all accepted (speculators trains c_j on the acceptance rate 1 - d_TV of
   each position), so drafting stops where a further draft is predicted not to be reached.
+  Under adaptive speculation without a fixed τ, rank 0 sends τ = λ c_verify in each step plan
+  (``verify_threshold``, executor/adaptive.py): a draft is verified only while the tokens it
+  is expected to add pay for its verify row at the step's modelled goodput λ.
   Sequences stop independently (per-sequence draft lengths; zero makes a plain decode row);
   once every sequence has stopped, no further draft is chosen (the head is read once for all
   k positions up front: one read costs what one position's would at small batch).
@@ -94,6 +97,10 @@ class DSparkDrafter(DFlashDrafter):
             if param is not None:
                 param.copy_(reader.read(name))
 
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.conf_weight is not None
+
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The backbone's logits over the draft vocabulary (the target's head when there is none)."""
         return self.logits(normed) if self.lm_head is None else self.lm_head(normed)
@@ -114,7 +121,7 @@ class DSparkDrafter(DFlashDrafter):
         first = 0 if self.fmt.sample_from_anchor else 1
         normed = self.block_outputs(batch, slice(first, first + batch.k))  # [S, k, H]
         prev = torch.tensor([s.tokens[-1] for s in batch.seqs], device=batch.device)
-        threshold = self.confidence_threshold
+        threshold = self.confidence_threshold if batch.confidence_threshold is None else batch.confidence_threshold
         reach = torch.ones(len(batch.seqs), device=batch.device)  # predicted P(every draft so far accepted)
         lengths = torch.full((len(batch.seqs),), batch.k, device=batch.device)
         num_seqs, k = normed.shape[0], batch.k
