@@ -248,6 +248,10 @@ def test_adaptive_speculation_metrics():
     # static speculation (or none): no adaptive metrics at all
     static = Stats(kv_usage={}, accepted_per_position=[])
     assert "draft_length" not in ServerMetrics("m", stats=lambda: static).render().decode()
+    assert "not_verified" not in text  # a drafter without a confidence head exports no such counter
+    gated = Stats(kv_usage={}, accepted_per_position=[], adaptive={**adaptive, "num_drafts_not_verified": 6})
+    assert 'specray:spec_decode_num_drafts_not_verified_total{model_name="m"} 6.0' in \
+        ServerMetrics("m", stats=lambda: gated).render().decode()
 
 
 def test_serve_rejects_bad_server_flags_before_starting_anything(capsys):

@@ -75,7 +75,8 @@ class EngineStatsCollector:
 
     def _adaptive(self, adaptive: dict, labels, counter):
         """Adaptive speculation: the draft length chosen per decode row and step (a histogram,
-        one bucket per length 0..k), steps in which no row drafted, and length switches."""
+        one bucket per length 0..k), steps in which no row drafted, length switches, and (dspark
+        with a confidence head) the drafts that head kept from the verify."""
         hist = adaptive["draft_length_histogram"]
         cumulative = [sum(hist[:k + 1]) for k in range(len(hist))]
         family = HistogramMetricFamily(PREFIX + "spec_decode_draft_length",
@@ -89,6 +90,9 @@ class EngineStatsCollector:
                       adaptive["num_steps_without_drafting"])
         yield counter("spec_decode_num_draft_length_switches", "steps whose held draft lengths changed",
                       adaptive["num_draft_length_switches"])
+        if "num_drafts_not_verified" in adaptive:
+            yield counter("spec_decode_num_drafts_not_verified", "drafts the confidence head kept from the verify",
+                          adaptive["num_drafts_not_verified"])
 
 
 class ServerMetrics:
