@@ -14,11 +14,12 @@ import random
 import pytest
 
 from specray.config import SamplingParams
-from specray.executor.adaptive import AdaptiveDraftLengths
+from specray.executor.adaptive import AdaptiveDraftLengths, step_shape
 from specray.executor.draft_length import DraftLengthPolicy, draft_forwards
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.step_cost import StepCost, StepShape
 from specray.kv.allocator import BlockAllocator, blocks_needed
+from specray.workers.plan import StepPlan
 
 K, PAGE, DRAFT_PAGE = 4, 4, 8  # small pages: a slot past the chosen length shows as a page
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0015, c_prefill_token=0.0005,
@@ -206,3 +207,12 @@ def test_a_confidence_gated_step_sends_the_verify_threshold_its_goodput_prices()
     plain_head.controller.record(0, K, K)
     plain_head.choose(seqs)
     assert plain_head.verify_threshold is None
+
+
+def test_a_steps_shape_counts_drafter_rows_only_for_a_drafter_that_runs_a_model():
+    plan = StepPlan(seq_ids=[0, 1, 2], input_ids=[[5], [6], [1, 2, 3]], num_drafts=[3, 0, 0])
+    planned = {0: 3, 1: 2}  # request 1 asked for 2 drafts and its lookup found none; 2 is a prompt
+    assert step_shape("ngram", plan, planned, [3, 0, 0]) == StepShape(
+        num_decode_rows=2, num_verify_rows=3, num_prefill_tokens=3, num_draft_rows=0, num_draft_forwards=0)
+    assert step_shape("draft_model", plan, planned, [3, 0, 0]) == StepShape(
+        num_decode_rows=2, num_verify_rows=3, num_prefill_tokens=3, num_draft_rows=5, num_draft_forwards=3)

@@ -200,6 +200,16 @@ def test_draft_forwards_per_method():
     assert draft_forwards("dflash", 0) == 0
 
 
+def test_prompt_lookup_drafts_cost_their_verify_rows_only():
+    # the online fit can put timing noise on the drafter-row coefficient (ngram's draft rows follow
+    # its verify rows): prompt lookup runs no model, so that coefficient never prices its drafts
+    noisy = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.001, c_draft_row=0.010)
+    assert decode_seconds(noisy, [3, 1], "ngram") == pytest.approx(0.010 + 2 * 0.003 + 4 * 0.001)
+    assert decode_seconds(noisy, [3, 1], "dflash") == pytest.approx(0.010 + 2 * 0.003 + 4 * 0.011)
+    assert best_lengths([[0.5] * 3], noisy, "ngram", 3) == [3]  # 0.5 tokens for 1 ms: pays
+    assert best_lengths([[0.5] * 3], noisy, "dflash", 3) == [0]  # 0.5 tokens for 11 ms: does not
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: best_lengths([[0.5]], CPU, "ngram", -1), r"ceiling \(-1\) must be an integer >= 0"),
     (lambda: best_lengths([[0.5, 1.5]], CPU, "ngram", 2), r"position 1 \(1.5\) must be in \[0, 1\]"),

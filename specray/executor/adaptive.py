@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 
-from specray.executor.draft_length import DraftLengthController, DraftLengthPolicy, draft_forwards, goodput
+from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, draft_forwards, draft_rows,
+                                           goodput)
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape
 from specray.workers.plan import StepPlan
 
@@ -94,7 +95,7 @@ def step_shape(method: str, plan: StepPlan, planned: dict[int, int], num_drafts:
     """What a step computed, in the cost model's units: the rows given a draft length
     (``planned``) decode, verifying the drafts the ranks proposed (``num_drafts``); any other
     row is a prefill row (or a chunk of one)."""
-    decode_rows = verify_rows = draft_rows = prefill_tokens = longest = 0
+    decode_rows = verify_rows = num_draft_rows = prefill_tokens = longest = 0
     for sid, ids, proposed in zip(plan.seq_ids, plan.input_ids, num_drafts or [0] * len(plan.seq_ids)):
         length = planned.get(sid)
         if length is None:
@@ -102,7 +103,7 @@ def step_shape(method: str, plan: StepPlan, planned: dict[int, int], num_drafts:
             continue
         decode_rows += 1
         verify_rows += proposed
-        draft_rows += length
+        num_draft_rows += draft_rows(method, length)
         longest = max(longest, length)
     return StepShape(num_decode_rows=decode_rows, num_verify_rows=verify_rows, num_prefill_tokens=prefill_tokens,
-                     num_draft_rows=draft_rows, num_draft_forwards=draft_forwards(method, longest))
+                     num_draft_rows=num_draft_rows, num_draft_forwards=draft_forwards(method, longest))

@@ -26,7 +26,8 @@ prefill cannot change the choice) get the lengths k_r in [0, ceiling] that maxim
     goodput(k) = sum_r expected_tokens(p_r, k_r) / T(k)
 
 with T the decode part of the modelled step time (``step_cost.StepCost``): the per-step and
-per-decode-row costs, one verify row plus one drafter row per draft token, and the drafter's
+per-decode-row costs, one verify row plus one drafter row per draft token (no drafter row for
+ngram, which runs no model), and the drafter's
 sequential forwards (the longest length for a one-token-per-forward drafter, one for a block
 drafter, none for ngram). Length 0 is a plain step for that request.
 
@@ -71,6 +72,12 @@ def draft_forwards(method: str, longest: int) -> int:
                       f"{_ONE_PER_POSITION + _ONE_PER_BLOCK + _NO_FORWARD}")
 
 
+def draft_rows(method: str, num_drafts: int) -> int:
+    """The drafter rows ``num_drafts`` drafts compute: none for prompt lookup, which runs no model
+    (so timing noise that the online fit puts on that feature cannot price its drafts)."""
+    return 0 if method in _NO_FORWARD else num_drafts
+
+
 def _check_ceiling(ceiling: int) -> None:
     if not isinstance(ceiling, int) or ceiling < 0:
         raise ConfigError(f"the draft length ceiling ({ceiling!r}) must be an integer >= 0 (num_draft_tokens)")
@@ -97,7 +104,7 @@ def expected_tokens(probs, length: int) -> float:
 def decode_seconds(cost: StepCost, lengths: list[int], method: str) -> float:
     """Modelled seconds of the decode part of a step whose decode rows draft ``lengths``."""
     n = sum(lengths)
-    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n, num_draft_rows=n,
+    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n, num_draft_rows=draft_rows(method, n),
                                   num_draft_forwards=draft_forwards(method, max(lengths, default=0))))
 
 
@@ -118,7 +125,7 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
     if not probs_by_row:
         return []
     gains = [_expected_by_length(p, ceiling) for p in probs_by_row]
-    per_token = cost.c_per_draft_token
+    per_token = cost.c_verify_row + cost.c_draft_row * draft_rows(method, 1)  # what one more draft adds
     fixed = cost.c_step + cost.c_decode_row * len(gains)
     lengths = [0] * len(gains)
     rate = _rate(gains, lengths, cost, method)
