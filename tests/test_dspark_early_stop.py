@@ -94,6 +94,9 @@ class FixedCost:
     cost = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)
     prior = cost
 
+    def at(self, num_decode_rows):
+        return self.cost
+
     def record(self, shape, seconds):
         pass
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from specray.executor.step_cost import (FEATURES, OnlineStepCost, StepCost, StepShape, fit_step_cost,
+from specray.executor.step_cost import (FEATURES, OnlineStepCost, StepCost, StepCostByBatch, StepShape,
+                                        batch_class, fit_step_cost, interpolate_slope,
                                         probe_shapes)
 
 # seconds per unit, chosen distinct so that a swapped coefficient shows
@@ -118,3 +119,40 @@ def test_stats_and_describe_name_every_coefficient():
 def test_bad_input_names_the_value_and_the_rule(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_batch_classes_and_the_slope_between_measured_batches():
+    assert [batch_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 0, 1, 2, 2, 3, 3, 4, 4, 5]
+    slopes = {1: 0.001, 4: 0.004}
+    assert [interpolate_slope(slopes, n) for n in (1, 2, 3, 4, 8, 16)] == pytest.approx(
+        [0.001, 0.002, 0.003, 0.004, 0.004, 0.004])  # linear between, the nearest beyond
+    assert interpolate_slope({4: 0.004}, 1) == 0.004
+
+
+def test_each_batch_class_fits_its_own_steps_from_its_own_prior():
+    prior = StepCost(c_step=0.020, c_decode_row=0.0005, c_verify_row=0.003)
+    costs = StepCostByBatch(prior, verify_slopes={1: 0.001, 4: 0.004}, window=64)
+    assert [costs.at(n).c_verify_row for n in (1, 2, 4, 16)] == pytest.approx([0.001, 0.002, 0.004, 0.004])
+    assert costs.at(3) == costs.at(4)  # one class: 3-4 rows, priced at 4
+    # batch 1 runs verifies at 0.5 ms a draft: its class learns that, batch 4's keeps its prior
+    for v in [0, 5, 0, 3, 1] * 20:
+        costs.record(StepShape(num_decode_rows=1, num_verify_rows=v), 0.0205 + 0.0005 * v)
+    assert 0.0005 <= costs.at(1).c_verify_row < 0.0006  # from 1 ms, but for the ridge's pull towards it
+    assert costs.at(4).c_verify_row == pytest.approx(0.004)
+    stats = costs.stats()
+    assert stats["batch"] == 4 and stats["by_batch"][1]["num_step_timings"] == 100
+    assert stats["by_batch"][4]["num_step_timings"] == 0
+
+
+def test_a_draft_that_pays_at_batch_1_is_declined_at_batch_4():
+    # prompt lookup at acceptance 0.1 with the SmolLM2 probe's slopes: at batch 1 a verified draft
+    # costs 0.9 ms against a 21 ms step (0.11 tokens a ms against 0.047), at batch 4 3.9 ms
+    # against 5.4 ms a row (0.026 against 0.19)
+    from specray.executor.draft_length import best_lengths
+
+    one_fit = StepCost(c_step=0.021, c_decode_row=0.0001, c_verify_row=0.003)
+    costs = StepCostByBatch(one_fit, verify_slopes={1: 0.0009, 4: 0.0039})
+    assert best_lengths([[0.1] * 5], costs.at(1), "ngram", 5) == [1]
+    assert best_lengths([[0.1] * 5] * 4, costs.at(4), "ngram", 5) == [0] * 4
+    # mutation: one fit's mixture (3 ms a draft) declines the draft at batch 1 as well
+    assert best_lengths([[0.1] * 5], one_fit, "ngram", 5) == [0]

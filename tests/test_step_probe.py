@@ -14,7 +14,7 @@ import pytest
 
 from specray import LLM, EngineConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
-from specray.executor.probe import PhaseTiming, fit_probe, phase_timing, probe_samples
+from specray.executor.probe import PhaseTiming, fit_probe, phase_timing, probe_samples, verify_slopes
 from specray.executor.step_cost import StepCost, StepShape, probe_shapes
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
@@ -50,6 +50,21 @@ def test_the_probe_fit_recovers_the_coefficients_of_a_timing_table(forwards):
     # the samples are step_cost.probe_shapes' six, then the verify of one sequence
     shapes = probe_shapes(max_num_seqs=4, ceiling=3, prefill_tokens=32, per_position=forwards == 3)
     assert [shape for shape, _ in samples] == shapes + [_phases(TRUE, forwards)["verify_one"].shape]
+
+
+def test_the_probe_prices_a_verified_draft_at_each_of_its_batch_sizes():
+    # a linear table: the same slope at both batches (its verify rows at 2.5 ms, drafting apart)
+    assert verify_slopes(_phases(TRUE, 3)) == pytest.approx({1: 0.0025, 4: 0.0025})
+    # SmolLM2 here (ngram, k = 5): 21.2 ms plain and 25.7 ms with 5 drafts at batch 1 (memory-bound),
+    # 21.4 ms and 100.3 ms with 4 x 5 at batch 4 (compute-bound); 0.06 ms of lookup each
+    phases = {"plain_one": PhaseTiming(StepShape(num_decode_rows=1), 0.0212, 0.0),
+              "verify_one": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=5), 0.0257, 0.00006),
+              "plain_many": PhaseTiming(StepShape(num_decode_rows=4), 0.0214, 0.0),
+              "verify_many": PhaseTiming(StepShape(num_decode_rows=4, num_verify_rows=20), 0.1003, 0.00006)}
+    assert verify_slopes(phases) == pytest.approx({1: 0.000888, 4: 0.003942})  # (25.7 - 21.2 - 0.06) / 5, .../ 20
+    # a lookup that found nothing to verify gives no slope at that batch
+    phases["verify_one"] = PhaseTiming(StepShape(num_decode_rows=1), 0.0213, 0.00006)
+    assert set(verify_slopes(phases)) == {4}
 
 
 def test_a_feature_no_probe_step_varies_keeps_the_fixed_prior():

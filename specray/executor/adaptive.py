@@ -5,7 +5,9 @@ The scheduler asks ``choose`` for the lengths of the sequences that decode this 
 its prefill rows) before it grants pages; after the step the engine hands back the plan, the
 drafts each row verified, the new tokens and the step's wall time on rank 0 (plan sent to
 the followers, forward, collectives, sampling: what the ranks together took), and this
-records the step's shape and time in the online fit and each row's acceptance in its EMA.
+records the step's shape and time in the online fit of its batch class (``StepCostByBatch``: a
+verified draft costs 0.9 ms at batch 1 and 3.9 ms at batch 4 here, so one fit cannot price both)
+and each row's acceptance.
 
 The prior (the fit's starting point, counted as ``prior_weight`` steps) is the start-up probe's
 fit (``executor/probe.py``: every rank timed on a short fixed schedule of steps before the
@@ -29,7 +31,7 @@ import logging
 
 from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, draft_forwards, draft_rows,
                                            goodput)
-from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape
+from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
 from specray.workers.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -43,25 +45,27 @@ PRIOR_COST = StepCost(c_step=5e-3, c_decode_row=2e-3, c_verify_row=1e-3, c_prefi
 class AdaptiveDraftLengths:
     def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST, prior_source: str = "fixed",
                  probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256,
-                 confidence_gated: bool = False):
+                 confidence_gated: bool = False, verify_slopes: dict[int, float] | None = None):
         """``prior_source``: "probed" (measured at start-up) or "fixed" (``PRIOR_COST``);
         ``probe_note``: how the probe went, for the one start-up log line; ``confidence_gated``:
-        the drafter's confidence head decides what is verified (see the module docstring)."""
+        the drafter's confidence head decides what is verified (see the module docstring);
+        ``verify_slopes``: seconds per verified draft by decode rows, as the probe measured them."""
         self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
         self.confidence_gated = confidence_gated
         self.verify_threshold: float | None = None  # this step's, when confidence-gated
         self.num_drafts_not_verified = 0  # drafted by the chosen length, cut by the confidence head
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
-        self.cost = OnlineStepCost(prior, window=window, refit_every=8)
+        self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, window=window, refit_every=8)
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
-        log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s", method, ceiling,
-                 prior.describe(), probe_note or prior_source)
+        slopes = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((verify_slopes or {}).items()))
+        log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s%s", method, ceiling, prior.describe(),
+                 probe_note or prior_source, f"; per verified draft {slopes} decode rows" if slopes else "")
 
     def choose(self, decoding) -> list[int]:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""
         ids = [seq.seq_id for seq in decoding]
-        cost = self.cost.cost
+        cost = self.cost.at(len(ids))
         lengths = self.controller.decide(ids, cost)
         self._planned = dict(zip(ids, lengths))
         self.verify_threshold = None

@@ -110,12 +110,26 @@ def fit_probe(phases: dict[str, PhaseTiming]) -> StepCost:
         return fit_step_cost(samples, prior=PRIOR_COST, prior_weight=1e-6)
 
 
+def verify_slopes(phases: dict[str, PhaseTiming]) -> dict[int, float]:
+    """Seconds per verified draft at the probe's two batch sizes (decode rows -> slope): a verify
+    phase's step over the plain phase's of the same rows, less its drafting, per verify row. A
+    batch whose lookup proposed nothing (no verify row) has none."""
+    out = {}
+    for plain, verify in ((phases["plain_one"], phases["verify_one"]), (phases["plain_many"], phases["verify_many"])):
+        rows = verify.shape.num_verify_rows
+        if rows:
+            extra = verify.seconds - plain.seconds - verify.draft_seconds
+            out[verify.shape.num_decode_rows] = max(extra, 0.0) / rows
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     cost: StepCost
     seconds: float  # the probe's wall time, clean-up included
     num_steps: int
     size: ProbeSize
+    verify_slopes: dict[int, float]  # seconds per verified draft by decode rows (StepCostByBatch's priors)
 
     def describe(self) -> str:
         return (f"probed in {self.seconds * 1e3:.0f} ms ({self.num_steps} steps, batch {self.size.num_seqs}, "
@@ -248,7 +262,7 @@ def probe_step_cost(scheduler: Scheduler, step, worker, config: EngineConfig) ->
     if _free_counts(scheduler) != free:
         raise RuntimeError(f"the step-cost probe left (target pages, draft pages, state slots) free at "
                            f"{_free_counts(scheduler)}, not {free} as before it: it must give back all it took")
-    return ProbeResult(fit_probe(timings), seconds, run.num_steps, size)
+    return ProbeResult(fit_probe(timings), seconds, run.num_steps, size, verify_slopes(timings))
 
 
 def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineConfig) -> AdaptiveDraftLengths:
@@ -262,4 +276,4 @@ def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineCon
         return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=PRIOR_COST, prior_source="fixed",
                                     probe_note=f"fixed (the probe {probe})", confidence_gated=gated)
     return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=probe.cost, prior_source="probed",
-                                probe_note=probe.describe(), confidence_gated=gated)
+                                probe_note=probe.describe(), confidence_gated=gated, verify_slopes=probe.verify_slopes)
