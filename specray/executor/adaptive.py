@@ -12,10 +12,8 @@ and each row's acceptance.
 The prior (the fit's starting point, counted as ``prior_weight`` steps) is the start-up probe's
 fit (``executor/probe.py``: every rank timed on a short fixed schedule of steps before the
 first request); ``PRIOR_COST``, a rough CPU figure, stands in only when the probe is off
-(``SpecConfig.adaptive_probe=False``) or cannot run. Each request's acceptance starts at 0.5
-per position (``draft_length.py``): with a drafter whose drafts cost much of a target step that
-means not drafting until a probe shows otherwise, which the grid measured as too slow for short
-requests (docs/speculative.md, "Adaptive draft length").
+(``SpecConfig.adaptive_probe=False``) or cannot run. A request's acceptance starts from the
+engine-wide estimate of the requests before it (``draft_length.py``).
 
 With a confidence head (dspark, ``confidence_gated``) the lengths chosen are what each row drafts,
 and the head decides, draft by draft, what is verified: ``verify_threshold`` = λ c_verify_row,

@@ -27,9 +27,9 @@ prefill cannot change the choice) get the lengths k_r in [0, ceiling] that maxim
 
 with T the decode part of the modelled step time (``step_cost.StepCost``): the per-step and
 per-decode-row costs, one verify row plus one drafter row per draft token (no drafter row for
-ngram, which runs no model), and the drafter's
-sequential forwards (the longest length for a one-token-per-forward drafter, one for a block
-drafter, none for ngram). Length 0 is a plain step for that request.
+ngram, which runs no model), and the drafter's sequential forwards (the longest length for a
+one-token-per-forward drafter, one for a block drafter, none for ngram). Length 0 is a plain
+step for that request.
 
 The search is exact (Dinkelbach's method for a ratio): for a rate lam, max N(k) - lam T(k)
 splits per request once the longest length m is fixed, so it is solved for every m in
@@ -104,7 +104,8 @@ def expected_tokens(probs, length: int) -> float:
 def decode_seconds(cost: StepCost, lengths: list[int], method: str) -> float:
     """Modelled seconds of the decode part of a step whose decode rows draft ``lengths``."""
     n = sum(lengths)
-    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n, num_draft_rows=draft_rows(method, n),
+    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n,
+                                  num_draft_rows=draft_rows(method, n),
                                   num_draft_forwards=draft_forwards(method, max(lengths, default=0))))
 
 
