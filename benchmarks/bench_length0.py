@@ -1,0 +1,98 @@
+"""Issue 27's length-0 step against a plain engine, passes interleaved in one process.
+
+    python -m benchmarks.bench_length0 [--eagle3 DIR] [--concurrency 2,4] [--rounds 8]
+        [--json bench-results/length0.json]
+
+``bench_adaptive`` alternates whole engines (about 50 s each), so a burst of load falls on one
+configuration and its length-0 cells spread 0.87-1.17 between two runs of the same code. Here every
+engine is built once and kept: the plain engine and each drafter's adaptive engine pinned at
+length 0 (``bench_adaptive.PinnedOff``) run one pass each in turn (the chats in closed batches of
+c), the order reversed every other round, so both see the same load within seconds. The cost is
+the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
+show the spread. Same target, prompts and settings as ``bench_adaptive``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, pin_off, run_pass,
+                                       write_dflash)
+from benchmarks.own_thread import on_own_thread
+from benchmarks.prompts import humaneval_chats
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+
+
+def engine(spec: SpecConfig) -> LLM:
+    return LLM(EngineConfig(model=MODEL, spec=spec,
+                            kv=KVConfig(tokens_per_block=64, capacity_tokens=16384, enable_prefix_caching=False)))
+
+
+def measure(args, chats: list, dflash: str) -> list[dict]:
+    """One cell per (pinned drafter, c): the plain and pinned passes' tok/s and their ratio."""
+    grid = argparse.Namespace(eagle3=args.eagle3, ks=[args.ceiling])
+    pinned = [r for r in configurations(grid, dflash) if r.is_pinned_off]
+    engines = {"plain": engine(SpecConfig())}
+    for row in pinned:
+        engines[row.group] = engine(row.spec)
+        pin_off(engines[row.group])
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    try:
+        for llm in engines.values():
+            llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
+        tok_s = {(name, c): [] for name in engines for c in args.concurrency}
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    tok_s[(name, c)].append(run_pass(engines[name], chats, c, params)["tok_s"])
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        for llm in engines.values():
+            llm.close()
+    cells = []
+    for row in pinned:
+        for c in args.concurrency:
+            plain, at0 = tok_s[("plain", c)], tok_s[(row.group, c)]
+            cost = statistics.median(plain) / statistics.median(at0)
+            cells.append(dict(drafter=row.group, c=c, plain=plain, length0=at0, cost=cost, met=cost <= TARGET_LENGTH0,
+                              round_ratios=[p / q for p, q in zip(plain, at0)]))
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--eagle3", type=Path, default=None, help="a drafter trained by specray train-drafter")
+    ap.add_argument("--ceiling", type=int, default=5, help="the pinned engines' num_draft_tokens")
+    ap.add_argument("--concurrency", default="2,4")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--json", type=Path, default=Path("bench-results/length0.json"))
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    chats = humaneval_chats(args.num_prompts)
+    with tempfile.TemporaryDirectory(prefix="specray-bench-length0-") as root:
+        cells = measure(args, chats, on_own_thread(write_dflash, Path(root)))
+    print(f"\n{MODEL}, HumanEval 0..{args.num_prompts - 1}, {args.output_len} new tokens, {args.rounds} rounds, "
+          f"passes interleaved, {torch.get_num_threads()} threads; tok/s medians; cost = plain / at length 0 "
+          f"(target <= {TARGET_LENGTH0}); drafters: {', '.join(g for g in PINNED_GROUPS)} (eagle3 with --eagle3)\n")
+    print("drafter | c | plain | at length 0 | cost | per-round ratios | met\n---|---|---|---|---|---|---")
+    for x in cells:
+        print(f"{x['drafter']} | {x['c']} | {statistics.median(x['plain']):.1f} | {statistics.median(x['length0']):.1f}"
+              f" | {x['cost']:.3f} | {min(x['round_ratios']):.2f}-{max(x['round_ratios']):.2f} | "
+              f"{'yes' if x['met'] else 'NO'}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(dict(model=MODEL, rounds=args.rounds, concurrency=args.concurrency,
+                                         output_len=args.output_len, cells=cells), indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
