@@ -72,6 +72,12 @@ class Row:
         return "plain" if not self.k else f"{self.group} {'adaptive <= ' if self.adaptive else 'k = '}{self.k}"
 
 
+def engine_config(spec: SpecConfig) -> EngineConfig:
+    """Every configuration's engine: 64-token pages, prefix caching off (the module docstring)."""
+    return EngineConfig(model=MODEL, spec=spec,
+                        kv=KVConfig(tokens_per_block=64, capacity_tokens=16384, enable_prefix_caching=False))
+
+
 def write_dflash(root: Path) -> str:
     cfg = dflash_config(read_model_arch(resolve_model(MODEL)))
     write_checkpoint(root / "dflash", cfg, head_weights("dflash", cfg, seed=1))
@@ -145,9 +151,7 @@ def run_rounds(rows: list[Row], chats: list, args) -> dict[tuple[int, int], dict
     best: dict[tuple[int, int], dict] = {}
     for r in range(args.rounds):
         for i, row in enumerate(rows):
-            cfg = EngineConfig(model=MODEL, kv=KVConfig(tokens_per_block=64, capacity_tokens=16384,
-                                                        enable_prefix_caching=False), spec=row.spec)
-            with LLM(cfg) as llm:
+            with LLM(engine_config(row.spec)) as llm:
                 if row.is_pinned_off:
                     pin_off(llm)
                 llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up

@@ -22,25 +22,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, pin_off, run_pass,
-                                       write_dflash)
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, engine_config, pin_off,
+                                       run_pass, write_dflash)
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
-from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
-
-
-def engine(spec: SpecConfig) -> LLM:
-    return LLM(EngineConfig(model=MODEL, spec=spec,
-                            kv=KVConfig(tokens_per_block=64, capacity_tokens=16384, enable_prefix_caching=False)))
+from specray import LLM, SamplingParams, SpecConfig
 
 
 def measure(args, chats: list, dflash: str) -> list[dict]:
     """One cell per (pinned drafter, c): the plain and pinned passes' tok/s and their ratio."""
     grid = argparse.Namespace(eagle3=args.eagle3, ks=[args.ceiling])
     pinned = [r for r in configurations(grid, dflash) if r.is_pinned_off]
-    engines = {"plain": engine(SpecConfig())}
+    engines = {"plain": LLM(engine_config(SpecConfig()))}
     for row in pinned:
-        engines[row.group] = engine(row.spec)
+        engines[row.group] = LLM(engine_config(row.spec))
         pin_off(engines[row.group])
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     try:

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, Evidence, best_lengths,
-                                           decode_seconds, draft_forwards, expected_tokens, goodput)
+                                           cost_per_draft, decode_seconds, draft_forwards, expected_tokens, goodput)
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape, fit_step_cost
 
 CPU = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)  # about the 34 ms / 8 rows
@@ -204,6 +204,7 @@ def test_prompt_lookup_drafts_cost_their_verify_rows_only():
     # the online fit can put timing noise on the drafter-row coefficient (ngram's draft rows follow
     # its verify rows): prompt lookup runs no model, so that coefficient never prices its drafts
     noisy = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.001, c_draft_row=0.010)
+    assert cost_per_draft(noisy, "ngram") == 0.001 and cost_per_draft(noisy, "dflash") == pytest.approx(0.011)
     assert decode_seconds(noisy, [3, 1], "ngram") == pytest.approx(0.010 + 2 * 0.003 + 4 * 0.001)
     assert decode_seconds(noisy, [3, 1], "dflash") == pytest.approx(0.010 + 2 * 0.003 + 4 * 0.011)
     assert best_lengths([[0.5] * 3], noisy, "ngram", 3) == [3]  # 0.5 tokens for 1 ms: pays

@@ -82,7 +82,8 @@ class AdaptiveDraftLengths:
             if sid in self._planned and new is not None and new != []:  # a decode row that sampled
                 accepted = len(new) - 1 if isinstance(new, list) else 0
                 self.controller.record(sid, proposed, min(accepted, proposed))
-                self.num_drafts_not_verified += max(self._planned[sid] - proposed, 0)
+                if self.confidence_gated:
+                    self.num_drafts_not_verified += max(self._planned[sid] - proposed, 0)
         shape = step_shape(self.method, plan, self._planned, num_drafts)
         self.cost.record(shape, seconds)
         self._planned = {}

@@ -78,6 +78,11 @@ def draft_rows(method: str, num_drafts: int) -> int:
     return 0 if method in _NO_FORWARD else num_drafts
 
 
+def cost_per_draft(cost: StepCost, method: str) -> float:
+    """Seconds one more verified draft adds: its verify row, and its drafter row where one runs."""
+    return cost.c_verify_row + cost.c_draft_row * draft_rows(method, 1)
+
+
 def _check_ceiling(ceiling: int) -> None:
     if not isinstance(ceiling, int) or ceiling < 0:
         raise ConfigError(f"the draft length ceiling ({ceiling!r}) must be an integer >= 0 (num_draft_tokens)")
@@ -126,7 +131,7 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
     if not probs_by_row:
         return []
     gains = [_expected_by_length(p, ceiling) for p in probs_by_row]
-    per_token = cost.c_verify_row + cost.c_draft_row * draft_rows(method, 1)  # what one more draft adds
+    per_token = cost_per_draft(cost, method)
     fixed = cost.c_step + cost.c_decode_row * len(gains)
     lengths = [0] * len(gains)
     rate = _rate(gains, lengths, cost, method)

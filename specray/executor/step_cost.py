@@ -87,11 +87,6 @@ class StepCost:
         return (self.c_step, self.c_decode_row, self.c_verify_row, self.c_prefill_token, self.c_draft_row,
                 self.c_draft_forward)
 
-    @property
-    def c_per_draft_token(self) -> float:
-        # a draft token the target verifies costs one verify row and one drafter row
-        return self.c_verify_row + self.c_draft_row
-
     def predict(self, shape: StepShape) -> float:
         """Modelled seconds of a step of this shape."""
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
@@ -294,10 +289,6 @@ class StepCostByBatch:
         self._last = batch_class(num_decode_rows)
         return self._fit(self._last).cost
 
-    @property
-    def cost(self) -> StepCost:
-        return self._fit(self._last).cost
-
     def record(self, shape: StepShape, seconds: float) -> StepCost:
         return self._fit(batch_class(shape.num_decode_rows)).record(shape, seconds)
 
@@ -305,6 +296,3 @@ class StepCostByBatch:
         by_batch = {2 ** c: {**f.cost.as_dict(), "num_step_timings": f.stats()["num_step_timings"]}
                     for c, f in sorted(self._fits.items())}
         return {**self._fit(self._last).stats(), "batch": 2 ** self._last, "by_batch": by_batch}
-
-    def describe(self) -> str:
-        return self._fit(self._last).describe()
