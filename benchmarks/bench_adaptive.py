@@ -1,7 +1,7 @@
 """Adaptive speculation against plain decoding and every static k, cell by cell (issue 27's grid).
 
     python -m benchmarks.bench_adaptive [--eagle3 DIR] [--ks 1,3,5] [--concurrency 1,2,4,8,16]
-        [--rounds 2] [--num-prompts 16] [--output-len 48] [--json bench-results/adaptive.json]
+        [--rounds 3] [--num-prompts 16] [--output-len 48] [--json bench-results/adaptive.json]
     python -m benchmarks.bench_adaptive --quick      # a smoke run: concurrency 1 and 4, one round
 
 Target SmolLM2-135M (the shipped file), chat-formatted HumanEval problems, greedy, TP 1, 64-token
@@ -19,10 +19,16 @@ requests in flight from the first token to the last, no arrivals). tok/s = token
 prefill included. Prefix caching is off in every configuration: each c runs the same prompts again,
 so with it the later passes would be cache hits, and how many depends on the drafter (a
 standalone drafter's pool publishes pages only once it has drafted on them, so a drafter held at
-length 0 gets none): that would measure the cache, not speculation. Each configuration is one
-engine that runs every c; the configurations alternate round by round (a burst of load falls on
-all of them) and each cell keeps its fastest round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
-decode rows in that cell's pass, ``off`` the steps it ran without drafting.
+length 0 gets none): that would measure the cache, not speculation.
+
+Passes are interleaved (``measure``): drafter by drafter, the plain engine and each of the group's
+engines are built once and kept, and per round and c they run one pass each in turn, the order
+reversed every other round. Every ratio in a cell then compares passes run within seconds of each
+other; alternating whole engines (this benchmark before) let a burst of load fall on one
+configuration, and identical configurations differed by up to 17% between runs. A cell reports each
+configuration's median round, and ``per round`` the adaptive pass over the reference's in each
+round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
+decode rows in the median pass, ``off`` the steps it ran without drafting.
 
 Targets (issue 27), checked per cell: adaptive >= 0.97 x max(plain, the best static k); where
 every draft is rejected (``dflash-none``) >= 0.98 x plain; ngram at concurrency 1 >= the best
@@ -145,29 +151,55 @@ def run_pass(llm: LLM, chats: list, c: int, params: SamplingParams) -> dict:
     return dict(tok_s=tokens / wall, num_tokens=tokens, lengths=lengths, off=off1 - off0)
 
 
-def run_rounds(rows: list[Row], chats: list, args) -> dict[tuple[int, int], dict]:
-    """best[(row index, c)]: the fastest pass, with every round's tok/s in ``rounds``."""
+def open_engine(row: Row, chats: list) -> LLM:
+    llm = LLM(engine_config(row.spec))
+    if row.is_pinned_off:
+        pin_off(llm)
+    llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
+    return llm
+
+
+def measure(rows: list[Row], chats: list, args) -> dict[tuple[str, int, int], list[dict]]:
+    """passes[(group, row index, c)]: one pass per round, interleaved with the group's other engines.
+
+    Group by group, the plain engine and every engine of the group are built once and kept; per round
+    and c each runs one pass in turn, the order reversed every other round, so every ratio in a cell
+    compares passes run within seconds of each other. The plain engine is built once and measured in
+    every group's block (its ratios are the block's own).
+    """
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    best: dict[tuple[int, int], dict] = {}
-    for r in range(args.rounds):
-        for i, row in enumerate(rows):
-            with LLM(engine_config(row.spec)) as llm:
-                if row.is_pinned_off:
-                    pin_off(llm)
-                llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
-                for c in args.concurrency:
-                    result = run_pass(llm, chats, c, params)
-                    key = (i, c)
-                    rounds = best.get(key, {}).get("rounds", []) + [result["tok_s"]]
-                    if key not in best or result["tok_s"] > best[key]["tok_s"]:
-                        best[key] = result
-                    best[key]["rounds"] = rounds
-            print(f"round {r + 1}/{args.rounds}: {row.label}: " + ", ".join(
-                f"c={c} {best[(i, c)]['rounds'][-1]:.1f}" for c in args.concurrency) + " tok/s", flush=True)
-    return best
+    passes: dict[tuple[str, int, int], list[dict]] = {}
+    plain = open_engine(rows[0], chats)
+    try:
+        for group in dict.fromkeys(r.group for r in rows[1:]):
+            members = [0] + [i for i, r in enumerate(rows) if r.group == group]
+            engines = {0: plain}
+            try:
+                for i in members[1:]:
+                    engines[i] = open_engine(rows[i], chats)
+                for r in range(args.rounds):
+                    for c in args.concurrency:
+                        for i in (members if r % 2 == 0 else members[::-1]):
+                            passes.setdefault((group, i, c), []).append(run_pass(engines[i], chats, c, params))
+                    print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
+                        f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
+                                                      for c in args.concurrency) for i in members), flush=True)
+            finally:
+                for i in members[1:]:
+                    if i in engines:
+                        engines[i].close()
+    finally:
+        plain.close()
+    return passes
 
 
-def cells(rows: list[Row], best: dict, args) -> list[dict]:
+def median_pass(results: list[dict]) -> dict:
+    """The round whose tok/s is the median (the lower middle for an even count), with every round's tok/s."""
+    ranked = sorted(results, key=lambda x: x["tok_s"])
+    return dict(ranked[(len(ranked) - 1) // 2], rounds=[x["tok_s"] for x in results])
+
+
+def cells(rows: list[Row], passes: dict, args) -> list[dict]:
     """One line per (drafter group, c): plain, each static k, adaptive, the ratio and verdict."""
     out = []
     for group in dict.fromkeys(r.group for r in rows[1:]):
@@ -175,28 +207,34 @@ def cells(rows: list[Row], best: dict, args) -> list[dict]:
         static = [i for i in idx if not rows[i].adaptive]
         adaptive = next(i for i in idx if rows[i].adaptive)
         for c in args.concurrency:
-            plain = best[(0, c)]["tok_s"]
-            by_k = {rows[i].k: best[(i, c)]["tok_s"] for i in static}
-            best_k = max(by_k, key=by_k.get)
-            got = best[(adaptive, c)]
-            reference = max(plain, by_k[best_k])
-            cell = dict(drafter=group, c=c, plain=plain, **{f"k={k}": v for k, v in by_k.items()},
+            plain = median_pass(passes[(group, 0, c)])
+            by_k = {rows[i].k: median_pass(passes[(group, i, c)]) for i in static}
+            best_k = max(by_k, key=lambda k: by_k[k]["tok_s"])
+            got = median_pass(passes[(group, adaptive, c)])
+            reference = max(plain["tok_s"], by_k[best_k]["tok_s"])
+            cell = dict(drafter=group, c=c, plain=plain["tok_s"], **{f"k={k}": v["tok_s"] for k, v in by_k.items()},
                         best_k=best_k, adaptive=got["tok_s"], ratio=got["tok_s"] / reference,
+                        round_ratios=round_ratios(got, plain if plain["tok_s"] >= by_k[best_k]["tok_s"] else by_k[best_k]),
                         lengths=got["lengths"], off=got["off"])
-            cell["verdicts"] = verdicts(group, c, cell, plain, by_k[best_k])
+            cell["verdicts"] = verdicts(group, c, cell, plain["tok_s"], by_k[best_k]["tok_s"])
             out.append(cell)
     return out
 
 
-def length0_cells(rows: list[Row], best: dict, args) -> list[dict]:
-    """Per pinned group and c: a plain step's cost against the length-0 step's (tok/s ratio)."""
+def round_ratios(x: dict, reference: dict) -> list[float]:
+    return [a / b for a, b in zip(x["rounds"], reference["rounds"])]
+
+
+def length0_cells(rows: list[Row], passes: dict, args) -> list[dict]:
+    """Per pinned group and c: a plain step's cost against the length-0 step's (tok/s ratio of medians)."""
     out = []
     for i, row in enumerate(rows):
         if row.is_pinned_off:
             for c in args.concurrency:
-                ratio = best[(0, c)]["tok_s"] / best[(i, c)]["tok_s"]
-                out.append(dict(drafter=row.group, c=c, plain=best[(0, c)]["tok_s"], length0=best[(i, c)]["tok_s"],
-                                cost=ratio, met=ratio <= TARGET_LENGTH0))
+                plain, at0 = median_pass(passes[(row.group, 0, c)]), median_pass(passes[(row.group, i, c)])
+                ratio = plain["tok_s"] / at0["tok_s"]
+                out.append(dict(drafter=row.group, c=c, plain=plain["tok_s"], length0=at0["tok_s"], cost=ratio,
+                                round_ratios=round_ratios(plain, at0), met=ratio <= TARGET_LENGTH0))
     return out
 
 
@@ -210,14 +248,20 @@ def verdicts(group: str, c: int, cell: dict, plain: float, best_static: float) -
 
 
 def format_cells(cells_: list[dict], ks: list[int]) -> str:
-    head = ["drafter", "c", "plain"] + [f"k={k}" for k in ks] + ["adaptive", "x best", "lengths 0..k", "off", "met"]
+    head = ["drafter", "c", "plain"] + [f"k={k}" for k in ks] + ["adaptive", "x best", "per round", "lengths 0..k",
+                                                               "off", "met"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for x in cells_:
         met = "yes" if all(v.endswith(": met") for v in x["verdicts"]) else "NO"
         lines.append(" | ".join([x["drafter"], str(x["c"]), f"{x['plain']:.1f}"] + [f"{x[f'k={k}']:.1f}" for k in ks]
-                                + [f"{x['adaptive']:.1f}", f"{x['ratio']:.2f}", "/".join(map(str, x["lengths"])),
+                                + [f"{x['adaptive']:.1f}", f"{x['ratio']:.2f}", spread(x["round_ratios"]),
+                                   "/".join(map(str, x["lengths"])),
                                    str(x["off"]), met]))
     return "\n".join(lines)
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--num-prompts", type=int, default=16, help="HumanEval problems 0..N-1")
     ap.add_argument("--output-len", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=Path("bench-results/adaptive.json"))
     args = ap.parse_args(argv)
     args.ks = sorted(int(k) for k in args.ks.split(","))
@@ -239,16 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specray-bench-adaptive-") as root:
         rows = configurations(args, on_own_thread(write_dflash, Path(root)))  # torch work off the main thread
         start = time.time()
-        best = run_rounds(rows, chats, args)
-    result = cells(rows, best, args)
+        passes = measure(rows, chats, args)
+    result = cells(rows, passes, args)
     print(f"\n{MODEL}, HumanEval problems 0..{args.num_prompts - 1} (chat), {args.output_len} new tokens "
-          f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), fastest of {args.rounds} "
-          f"alternating round(s), {time.time() - start:.0f} s; tok/s\n")
+          f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), median of {args.rounds} "
+          f"interleaved round(s), {time.time() - start:.0f} s; tok/s\n")
     print(format_cells(result, args.ks))
-    off = length0_cells(rows, best, args)
+    off = length0_cells(rows, passes, args)
     print(f"\nlength-0 step cost (plain tok/s / pinned-at-0 tok/s; target <= {TARGET_LENGTH0})\n")
-    print("\n".join(["drafter | c | plain | at length 0 | cost | met", "---|---|---|---|---|---"] + [
+    print("\n".join(["drafter | c | plain | at length 0 | cost | per round | met", "---|---|---|---|---|---|---"] + [
         f"{x['drafter']} | {x['c']} | {x['plain']:.1f} | {x['length0']:.1f} | {x['cost']:.3f} | "
+        f"{spread(x['round_ratios'])} | "
         f"{'yes' if x['met'] else 'NO'}" for x in off]))
     missed = [f"{x['drafter']} c={x['c']}: {v}" for x in result for v in x["verdicts"] if not v.endswith(": met")]
     missed += [f"{x['drafter']} c={x['c']}: length-0 cost {x['cost']:.3f} > {TARGET_LENGTH0}"
@@ -259,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
         concurrency=args.concurrency, rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
         machine=platform.processor() or platform.machine(), cells=result, length0=off,
-        rows=[dict(label=r.label, c=c, **best[(i, c)]) for i, r in enumerate(rows) for c in args.concurrency]),
+        passes=[dict(block=group, label=rows[i].label, c=c, passes=x) for (group, i, c), x in passes.items()]),
         indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -51,7 +51,7 @@ CONTEXT = 128  # tokens cached before a decode or verify step
 BLOCK = 16
 MODES = ("before", "modules", "fused", "fused old", "fused prev")
 PLANS = {"fused": "tuned", "fused old": "first", "fused prev": "before verify work"}
-STEPS = {"decode x1": (1, 1), "verify 1x4": (1, 4), "verify 1x6": (1, 6), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
+STEPS = {"decode x1": (1, 1), "verify 1x4": (1, 4), "verify 1x5": (1, 5), "verify 1x6": (1, 6), "decode x4": (4, 1), "decode x8": (8, 1), "verify 4x6": (4, 6), "prefill 128": (1, 128)}
 
 
 def packed_copies(model) -> dict[int, torch.Tensor]:

@@ -14,7 +14,8 @@ import pytest
 
 from specray import LLM, EngineConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
-from specray.executor.probe import PhaseTiming, fit_probe, phase_timing, probe_samples, verify_slopes
+from specray.executor.probe import (PhaseTiming, fit_probe, one_row_seconds, phase_timing, probe_samples,
+                                   verify_slopes)
 from specray.executor.step_cost import StepCost, StepShape, probe_shapes
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
@@ -65,6 +66,16 @@ def test_the_probe_prices_a_verified_draft_at_each_of_its_batch_sizes():
     # a lookup that found nothing to verify gives no slope at that batch
     phases["verify_one"] = PhaseTiming(StepShape(num_decode_rows=1), 0.0213, 0.00006)
     assert set(verify_slopes(phases)) == {4}
+
+
+def test_the_probe_seeds_the_one_row_table_with_each_lengths_target_time():
+    one = StepShape(num_decode_rows=1)
+    phases = {"plain_one": PhaseTiming(one, 0.0105, 0.0),
+              "verify_one_1": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=1), 0.0112, 0.0001),
+              "verify_one_2": PhaseTiming(one, 0.0107, 0.0001),  # the lookup found nothing: a plain step
+              "verify_one": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=3), 0.0130, 0.0004)}
+    # each less its drafting; the phase whose lookup proposed nothing is left out
+    assert one_row_seconds(phases) == pytest.approx({0: 0.0105, 1: 0.0111, 3: 0.0126})
 
 
 def test_a_feature_no_probe_step_varies_keeps_the_fixed_prior():

@@ -6,7 +6,8 @@ its prefill rows) before it grants pages; after the step the engine hands back t
 drafts each row verified, the new tokens and the step's wall time on rank 0 (plan sent to
 the followers, forward, collectives, sampling: what the ranks together took), and this
 records the step's shape and time in the online fit of its batch class (``StepCostByBatch``: a
-verified draft costs 0.9 ms at batch 1 and 3.9 ms at batch 4 here, so one fit cannot price both)
+verified draft costs 0.9 ms at batch 1 and 3.9 ms at batch 4 here, so one fit cannot price both;
+a one-row step's verify is priced per length from its own timings, ``executor/one_row.py``)
 and each row's acceptance.
 
 The prior (the fit's starting point, counted as ``prior_weight`` steps) is the start-up probe's
@@ -29,6 +30,7 @@ import logging
 
 from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, draft_forwards, draft_rows,
                                            goodput)
+from specray.executor.one_row import OneRowVerify
 from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
 from specray.workers.plan import StepPlan
 
@@ -43,18 +45,22 @@ PRIOR_COST = StepCost(c_step=5e-3, c_decode_row=2e-3, c_verify_row=1e-3, c_prefi
 class AdaptiveDraftLengths:
     def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST, prior_source: str = "fixed",
                  probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256,
-                 confidence_gated: bool = False, verify_slopes: dict[int, float] | None = None):
+                 confidence_gated: bool = False, verify_slopes: dict[int, float] | None = None,
+                 one_row_seconds: dict[int, float] | None = None):
         """``prior_source``: "probed" (measured at start-up) or "fixed" (``PRIOR_COST``);
         ``probe_note``: how the probe went, for the one start-up log line; ``confidence_gated``:
         the drafter's confidence head decides what is verified (see the module docstring);
-        ``verify_slopes``: seconds per verified draft by decode rows, as the probe measured them."""
+        ``verify_slopes``: seconds per verified draft by decode rows, as the probe measured them;
+        ``one_row_seconds``: the target's seconds of a one-row step by verified drafts, as the
+        probe measured them (``OneRowVerify``'s seeds)."""
         self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
         self.confidence_gated = confidence_gated
         self.verify_threshold: float | None = None  # this step's, when confidence-gated
         self.num_drafts_not_verified = 0  # drafted by the chosen length, cut by the confidence head
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
-        self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, window=window, refit_every=8)
+        self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, window=window, refit_every=8,
+                                    one_row=OneRowVerify(ceiling, seeds=one_row_seconds))
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
         slopes = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((verify_slopes or {}).items()))
         log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s%s", method, ceiling, prior.describe(),
@@ -72,8 +78,10 @@ class AdaptiveDraftLengths:
             self.verify_threshold = min(1.0, rate * cost.c_verify_row)
         return lengths
 
-    def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float) -> None:
-        """Record a step: its shape and time, each decode row's acceptance; forget finished ones."""
+    def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float,
+                draft_seconds: float = 0.0) -> None:
+        """Record a step: its shape, time and drafting time, each decode row's acceptance; forget
+        finished ones."""
         for sid in plan.finished:
             self.controller.forget(sid)
         if not plan.seq_ids:
@@ -85,7 +93,7 @@ class AdaptiveDraftLengths:
                 if self.confidence_gated:
                     self.num_drafts_not_verified += max(self._planned[sid] - proposed, 0)
         shape = step_shape(self.method, plan, self._planned, num_drafts)
-        self.cost.record(shape, seconds)
+        self.cost.record(shape, seconds, draft_seconds)
         self._planned = {}
 
     def stats(self) -> dict:

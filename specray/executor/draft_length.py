@@ -34,7 +34,9 @@ step for that request.
 The search is exact (Dinkelbach's method for a ratio): for a rate lam, max N(k) - lam T(k)
 splits per request once the longest length m is fixed, so it is solved for every m in
 0..ceiling; lam is raised to the best ratio found until nothing beats it (a few rounds,
-O(rounds x rows x ceiling)). Ties go to the shorter length.
+O(rounds x rows x ceiling)). A step of one decode row rates each length directly: there T
+prices the verify from a measured table (``StepCost.one_row_verify``, not a line in k). Ties
+go to the shorter length.
 
 Hysteresis: the previous step's lengths are kept (a new request starts at the best) unless
 the best choice's modelled goodput beats theirs by more than ``switch_margin`` (5%): timing
@@ -138,6 +140,9 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
     if math.isinf(rate):  # a plain step modelled free: draft only if drafting is free too
         full = [ceiling] * len(gains)
         return full if decode_seconds(cost, full, method) == 0 else lengths
+    if len(gains) == 1:  # one row: every length rated as modelled (StepCost.one_row_verify is not a line)
+        rates = [_rate(gains, [k], cost, method) for k in range(ceiling + 1)]
+        return [max(range(ceiling + 1), key=lambda k: (rates[k], -k))]
     for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard
         best, best_value = None, 1e-12 * len(gains)  # N - lam T is 0 at the current lengths
         # for each row, the best k <= m at this rate, as m grows (a running argmax)

@@ -198,7 +198,9 @@ class EngineCore:
             num_before = [len(self._by_seq[sid].seq.output_ids) for sid in plan.seq_ids]
             self.scheduler.finish_step(tokens, self.worker.num_drafts)
             if self.adaptive is not None:
-                self.adaptive.observe(plan, self.worker.num_drafts, tokens, seconds)
+                spec = self.worker.spec
+                self.adaptive.observe(plan, self.worker.num_drafts, tokens, seconds,
+                                      spec.draft_seconds if spec is not None else 0.0)
             self._keep_logprobs(plan, num_before)
         except BaseException:
             self.is_broken = True

@@ -10,7 +10,8 @@ collectives. Nothing here runs a model.
 The schedule (``ProbeSize``: batch S, prompt P, R repetitions; k the ceiling), each phase one
 warm-up step then R timed ones:
 - prefill: a fresh sequence's prompt of P tokens alone (aborted after);
-- plain 1, verify 1: one sequence at draft length 0, then k;
+- plain 1, verify 1: one sequence at draft length 0, then at every length 1..k (a one-row
+  step's verify is priced per length, ``executor/one_row.py``; the fit takes length k's);
 - plain S, verify S: S sequences at draft length 0, then k.
 A phase's time is the median of its R steps, not the minimum: a one-off stall (a page touched
 first, a collective's first use, the garbage collector) moves a median less than a mean, and the
@@ -46,8 +47,6 @@ from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.step_cost import StepCost, StepShape, fit_step_cost
 from specray.kv.allocator import blocks_needed
 
-PHASES = ("prefill", "plain_one", "verify_one", "plain_many", "verify_many")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeSize:
@@ -64,8 +63,9 @@ class ProbeSize:
 
     def longest(self, ceiling: int) -> int:
         """The most tokens a probe sequence reaches: its prompt, every decode step at 1 + k
-        (four phases, plus up to S steps that admit the batch), and the lookahead."""
-        return self.prompt_tokens + (4 * (self.repetitions + 1) + self.num_seqs) * (1 + ceiling) + ceiling
+        (k + 3 decode phases, plus up to S steps that admit the batch), and the lookahead."""
+        num_phases = ceiling + 3  # plain 1, verify 1 at lengths 1..k, plain S, verify S
+        return self.prompt_tokens + (num_phases * (self.repetitions + 1) + self.num_seqs) * (1 + ceiling) + ceiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +123,18 @@ def verify_slopes(phases: dict[str, PhaseTiming]) -> dict[int, float]:
     return out
 
 
+def one_row_seconds(phases: dict[str, PhaseTiming]) -> dict[int, float]:
+    """The target's seconds of a one-row step by verified drafts (``OneRowVerify``'s seeds): the
+    plain phase's, and each batch-1 verify phase's less its drafting (a phase whose lookup
+    proposed nothing verified nothing: left out)."""
+    out = {0: phases["plain_one"].seconds}
+    for name in sorted(n for n in phases if n.startswith("verify_one")):
+        verify = phases[name]
+        if verify.shape.num_verify_rows:
+            out[verify.shape.num_verify_rows] = max(verify.seconds - verify.draft_seconds, 0.0)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     cost: StepCost
@@ -130,6 +142,7 @@ class ProbeResult:
     num_steps: int
     size: ProbeSize
     verify_slopes: dict[int, float]  # seconds per verified draft by decode rows (StepCostByBatch's priors)
+    one_row_seconds: dict[int, float]  # a one-row step's target seconds by verified drafts (OneRowVerify's seeds)
 
     def describe(self) -> str:
         return (f"probed in {self.seconds * 1e3:.0f} ms ({self.num_steps} steps, batch {self.size.num_seqs}, "
@@ -214,7 +227,10 @@ class ProbeRun:
         timings["prefill"] = phase_timing(prefills[1:])
         first = self.add()
         self._step_until_sampled([first], "the first sequence's prompt")
-        timings["plain_one"], timings["verify_one"] = self.phase(0), self.phase(k)
+        timings["plain_one"] = self.phase(0)
+        for length in range(1, k):  # OneRowVerify's seeds: a one-row step at every length
+            timings[f"verify_one_{length}"] = self.phase(length)
+        timings["verify_one"] = self.phase(k)
         others = [self.add() for _ in range(self.size.num_seqs - 1)]
         self.length = 0
         self._step_until_sampled(others, "admitting the batch")  # untimed
@@ -262,7 +278,8 @@ def probe_step_cost(scheduler: Scheduler, step, worker, config: EngineConfig) ->
     if _free_counts(scheduler) != free:
         raise RuntimeError(f"the step-cost probe left (target pages, draft pages, state slots) free at "
                            f"{_free_counts(scheduler)}, not {free} as before it: it must give back all it took")
-    return ProbeResult(fit_probe(timings), seconds, run.num_steps, size, verify_slopes(timings))
+    return ProbeResult(fit_probe(timings), seconds, run.num_steps, size, verify_slopes(timings),
+                       one_row_seconds(timings))
 
 
 def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineConfig) -> AdaptiveDraftLengths:
@@ -276,4 +293,5 @@ def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineCon
         return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=PRIOR_COST, prior_source="fixed",
                                     probe_note=f"fixed (the probe {probe})", confidence_gated=gated)
     return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=probe.cost, prior_source="probed",
-                                probe_note=probe.describe(), confidence_gated=gated, verify_slopes=probe.verify_slopes)
+                                probe_note=probe.describe(), confidence_gated=gated, verify_slopes=probe.verify_slopes,
+                                one_row_seconds=probe.one_row_seconds)

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from specray.errors import ConfigError
+from specray.executor.one_row import OneRowVerify
 
 FEATURES = ("step", "decode_row", "verify_row", "prefill_token", "draft_row", "draft_forward")
 
@@ -71,11 +72,19 @@ class StepCost:
     c_prefill_token: float = 0.0
     c_draft_row: float = 0.0
     c_draft_forward: float = 0.0
+    one_row_verify: tuple[float, ...] = ()
+    """Seconds verifying L drafts adds to a step of one decode row and no prefill, at index L
+    (``OneRowVerify``, measured); empty, or past its end: ``c_verify_row`` per draft."""
 
     def __post_init__(self) -> None:
         for name, value in zip(FEATURES, self.coefficients):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"StepCost.c_{name} ({value!r}) must be a finite number >= 0 (seconds per unit)")
+        table = self.one_row_verify
+        if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) for v in table) or table[:1] not in (
+                (), (0.0,)):
+            raise ConfigError(f"StepCost.one_row_verify ({table!r}) must be empty or start at 0 (no draft adds "
+                              f"nothing), every entry finite and >= 0 (seconds)")
 
     @classmethod
     def from_coefficients(cls, coefficients) -> "StepCost":
@@ -89,7 +98,11 @@ class StepCost:
 
     def predict(self, shape: StepShape) -> float:
         """Modelled seconds of a step of this shape."""
-        return sum(c * x for c, x in zip(self.coefficients, shape.features()))
+        seconds = sum(c * x for c, x in zip(self.coefficients, shape.features()))
+        n, table = shape.num_verify_rows, self.one_row_verify
+        if shape.num_decode_rows == 1 and not shape.num_prefill_tokens and n < len(table):
+            seconds += table[n] - self.c_verify_row * n  # the measured verify in place of the line's
+        return seconds
 
     def as_dict(self) -> dict[str, float]:
         return {f"c_{n}_s": c for n, c in zip(FEATURES, self.coefficients)}
@@ -263,16 +276,18 @@ class StepCostByBatch:
     3 ms, four times its cost, and a request then does not draft where drafting pays most. Each
     class's fit is the local slope at its operating point. Its prior is ``prior`` with the verify
     row priced at that class's batch (``verify_slopes``: seconds per verified draft measured at
-    some decode-row counts, by the start-up probe; interpolated, ``interpolate_slope``)."""
+    some decode-row counts, by the start-up probe; interpolated, ``interpolate_slope``). A step of
+    one decode row prices its verify by ``one_row`` where given (``executor/one_row.py``)."""
 
     def __init__(self, prior: StepCost, *, verify_slopes: dict[int, float] | None = None, window: int = 256,
-                 refit_every: int = 1):
+                 refit_every: int = 1, one_row: OneRowVerify | None = None):
         for n, slope in (verify_slopes or {}).items():
             if not (isinstance(n, int) and n >= 1 and math.isfinite(slope) and slope >= 0):
                 raise ConfigError(f"verify slope {slope!r} at {n!r} decode rows: rows must be an integer >= 1 and "
                                   f"the slope finite and >= 0 (seconds per verified draft)")
         self.prior, self.verify_slopes = prior, dict(verify_slopes or {})
         self.window, self.refit_every = window, refit_every
+        self.one_row = one_row
         self._fits: dict[int, OnlineStepCost] = {}
         self._last = 0  # the class of the last step planned or recorded (for stats)
 
@@ -287,12 +302,22 @@ class StepCostByBatch:
     def at(self, num_decode_rows: int) -> StepCost:
         """The model of a step with this many decode rows."""
         self._last = batch_class(num_decode_rows)
-        return self._fit(self._last).cost
+        cost = self._fit(self._last).cost
+        if num_decode_rows == 1 and self.one_row is not None:
+            cost = replace(cost, one_row_verify=self.one_row.table(cost.c_verify_row))
+        return cost
 
-    def record(self, shape: StepShape, seconds: float) -> StepCost:
+    def record(self, shape: StepShape, seconds: float, draft_seconds: float = 0.0) -> StepCost:
+        """A step's shape and time, and its drafting time within it (``one_row`` keeps the rest)."""
+        if self.one_row is not None and shape.num_decode_rows == 1 and not shape.num_prefill_tokens:
+            self.one_row.record(shape.num_verify_rows, max(seconds - draft_seconds, 0.0))
         return self._fit(batch_class(shape.num_decode_rows)).record(shape, seconds)
 
     def stats(self) -> dict:
         by_batch = {2 ** c: {**f.cost.as_dict(), "num_step_timings": f.stats()["num_step_timings"]}
                     for c, f in sorted(self._fits.items())}
-        return {**self._fit(self._last).stats(), "batch": 2 ** self._last, "by_batch": by_batch}
+        out = {**self._fit(self._last).stats(), "batch": 2 ** self._last, "by_batch": by_batch}
+        if self.one_row is not None:
+            one = self._fit(batch_class(1)).cost
+            out["one_row_verify_s"] = list(self.one_row.table(one.c_verify_row))
+        return out

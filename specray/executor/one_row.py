@@ -1,0 +1,66 @@
+"""What verifying L drafts costs a step of one decode row, measured per L (plain Python, no torch).
+
+The step-cost model prices a verified draft at one slope per batch class (``step_cost``), but at
+one decode row the cost is not a line in L. On this CPU, SmolLM2 at batch 1 in the engine: the
+first three or four verify rows cost about 0.6 ms each (the weights are read once and a few
+rows ride along), each later one about 2.8 ms (the small GEMM turns compute-bound). A line
+through a plain step and a verify of 5 drafts (the lengths a drafter that does well runs) then
+prices a verify of 3 drafts at ~1.1 ms more than it costs, and prompt lookup ran 5 drafts where 3
+were 3-6% faster in tokens per second (the issue 27 grid's ngram cell at concurrency 1).
+
+So a one-row step keeps its own table: the last ``window`` times of the target's part of each
+such step (its drafting excluded: the drafter rows keep the line's price) per number of
+verified drafts, seeded by the start-up probe's batch-1 phases (one per length). ``table`` is
+the median time at each L over the plain step's, non-decreasing in L (a verify does not get
+cheaper with a draft more: where noise says so, the shorter length's time stands), linear
+between the lengths seen, and past the longest seen ``c_verify_row`` per draft.
+``StepCost.one_row_verify`` carries it to the planner, which rates every length of a one-row
+step exactly (``draft_length.best_lengths``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+from specray.errors import ConfigError
+
+
+class OneRowVerify:
+    """Per number of verified drafts 0..ceiling, the latest target seconds of one-row steps."""
+
+    def __init__(self, ceiling: int, *, seeds: dict[int, float] | None = None, window: int = 32):
+        if not isinstance(ceiling, int) or ceiling < 0 or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"OneRowVerify needs an integer ceiling ({ceiling!r}) >= 0 and window ({window!r}) >= 1")
+        self.ceiling = ceiling
+        self._seconds = [deque(maxlen=window) for _ in range(ceiling + 1)]
+        for n, seconds in sorted((seeds or {}).items()):
+            self.record(n, seconds)
+
+    def record(self, num_verify_rows: int, seconds: float) -> None:
+        """One step of one decode row and no prefill: its verified drafts and its target seconds."""
+        if not (isinstance(seconds, (int, float)) and seconds >= 0):
+            raise ConfigError(f"a one-row step's target time ({seconds!r}) must be a number of seconds >= 0")
+        if 0 <= num_verify_rows <= self.ceiling:
+            self._seconds[num_verify_rows].append(float(seconds))
+
+    def table(self, c_verify_row: float) -> tuple[float, ...]:
+        """Seconds verifying 0..ceiling drafts adds to a plain one-row step (``StepCost.one_row_verify``);
+        empty until a plain one-row step has been timed."""
+        if not self._seconds[0]:
+            return ()
+        plain = median(self._seconds[0])
+        seen = {n: max(median(s) - plain, 0.0) for n, s in enumerate(self._seconds) if s}
+        out, last = [], 0  # last: the longest length seen so far
+        for n in range(self.ceiling + 1):
+            if n in seen:
+                value, last = seen[n], n
+            else:
+                after = next((m for m in range(n + 1, self.ceiling + 1) if m in seen), None)
+                value = (seen[last] + c_verify_row * (n - last) if after is None
+                         else seen[last] + (seen[after] - seen[last]) * (n - last) / (after - last))
+            out.append(max(value, out[-1]) if out else 0.0)
+        return tuple(out)
+
+    def stats(self) -> dict:
+        return {"num_timed": [len(s) for s in self._seconds]}

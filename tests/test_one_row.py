@@ -1,0 +1,76 @@
+"""A one-row step's verify priced per length (executor/one_row.py): the table from timings with
+literals, the model predicting from it, the batch-class fit carrying it, and the decision it
+changes: the grid's measured table chooses 3 drafts for prompt lookup at batch 1 where the line
+through the same timings chooses 5 (the mutation). Plain Python: no model, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray.errors import ConfigError
+from specray.executor.draft_length import best_lengths
+from specray.executor.one_row import OneRowVerify
+from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
+
+MS = 1e-3
+
+
+def one_row(verify: int, prefill: int = 0) -> StepShape:
+    return StepShape(num_decode_rows=1, num_verify_rows=verify, num_prefill_tokens=prefill)
+
+
+def test_the_table_is_each_length_over_the_plain_step_between_and_past_the_lengths_seen():
+    rows = OneRowVerify(5, seeds={0: 10 * MS, 1: 10.6 * MS, 3: 12.8 * MS})
+    # 2: halfway between 1 and 3; 4 and 5: the last seen plus c_verify_row (2 ms) per draft
+    assert rows.table(2 * MS) == pytest.approx((0.0, 0.6 * MS, 1.7 * MS, 2.8 * MS, 4.8 * MS, 6.8 * MS))
+    for seconds in (11.0, 11.0, 30.0):  # a median over the window: the one stall does not move it
+        rows.record(1, seconds * MS)
+    assert rows.table(2 * MS)[1] == pytest.approx(1.0 * MS)  # median of 10.6, 11, 11, 30
+
+
+def test_a_length_timed_faster_than_a_shorter_one_costs_as_much_as_it():
+    rows = OneRowVerify(3, seeds={0: 10 * MS, 1: 11 * MS, 2: 10.5 * MS, 3: 13 * MS})
+    assert rows.table(1 * MS) == pytest.approx((0.0, 1 * MS, 1 * MS, 3 * MS))
+    assert OneRowVerify(3, seeds={1: 11 * MS}).table(1 * MS) == ()  # no plain step timed yet
+
+
+def test_the_model_prices_a_one_row_step_from_its_table_and_every_other_step_by_the_line():
+    cost = StepCost(c_step=10 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS, one_row_verify=(0.0, 0.6 * MS, 5 * MS))
+    assert cost.predict(one_row(2)) == pytest.approx(16 * MS)  # 10 + 1 + the table's 5
+    assert cost.predict(one_row(1)) == pytest.approx(11.6 * MS)
+    assert cost.predict(one_row(3)) == pytest.approx(17 * MS)  # past the table: 2 ms a draft
+    assert cost.predict(StepShape(num_decode_rows=2, num_verify_rows=2)) == pytest.approx(16 * MS)
+    assert cost.predict(one_row(2, prefill=4)) == pytest.approx(15 * MS)  # a prefill chunk: the line (c 0)
+
+
+@pytest.mark.parametrize("table", [(0.001,), (0.0, -1.0), (0.0, float("nan"))])
+def test_a_bad_table_names_the_value_and_the_rule(table):
+    with pytest.raises(ConfigError, match="one_row_verify .* start at 0"):
+        StepCost(one_row_verify=table)
+
+
+def test_the_batch_fit_gives_one_row_steps_the_table_of_their_target_time():
+    by_batch = StepCostByBatch(StepCost(c_step=10 * MS, c_verify_row=1 * MS), one_row=OneRowVerify(2))
+    assert by_batch.at(1).one_row_verify == ()
+    by_batch.record(one_row(0), 10 * MS)
+    by_batch.record(one_row(2), 16 * MS, draft_seconds=2 * MS)  # drafting is the drafter rows' price
+    by_batch.record(StepShape(num_decode_rows=2, num_verify_rows=2), 99 * MS)  # not a one-row step
+    by_batch.record(one_row(1, prefill=8), 99 * MS)  # nor is a step with a prefill chunk
+    assert by_batch.at(1).one_row_verify == pytest.approx((0.0, 2 * MS, 4 * MS))
+    assert by_batch.at(2).one_row_verify == ()
+    assert by_batch.stats()["one_row_verify_s"] == pytest.approx([0.0, 2 * MS, 4 * MS])
+
+
+def test_the_measured_table_chooses_what_the_line_through_it_misses():
+    # measured in the engine (SmolLM2, batch 1, prompt lookup on HumanEval chats): a plain step
+    # 10.53 ms, verifying 1..5 drafts 11.07, 11.12, 12.24, 14.60, 17.45 ms; prompt lookup's
+    # acceptance per position there 0.396, 0.787, 0.91, 0.858, 0.95. Goodput by hand, tokens/ms:
+    # 1.396 / 11.07 = .126, 1.708 / 11.12 = .154, 1.991 / 12.24 = .163, 2.235 / 14.60 = .153,
+    # 2.466 / 17.45 = .141: 3 drafts. The line through 0 and 5 drafts (1.384 ms a draft) gives
+    # 3 drafts .136 and 5 drafts .141: it chooses 5, which ran 3-6% slower than 3 in the grid.
+    table = tuple(x * MS for x in (0.0, 0.54, 0.59, 1.71, 4.07, 6.92))
+    line = StepCost(c_step=10.53 * MS, c_verify_row=6.92 / 5 * MS)
+    probs = [0.396, 0.787, 0.91, 0.858, 0.95]
+    assert best_lengths([probs], StepCost(c_step=10.53 * MS, c_verify_row=6.92 / 5 * MS, one_row_verify=table),
+                        "ngram", 5) == [3]
+    assert best_lengths([probs], line, "ngram", 5) == [5]  # the mutation: the line alone
