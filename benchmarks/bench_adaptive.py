@@ -159,8 +159,10 @@ def open_engine(row: Row, chats: list) -> LLM:
     return llm
 
 
-def measure(rows: list[Row], chats: list, args) -> dict[tuple[str, int, int], list[dict]]:
-    """passes[(group, row index, c)]: one pass per round, interleaved with the group's other engines.
+def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, int], list[dict]], dict[str, dict]]:
+    """passes[(group, row index, c)]: one pass per round, interleaved with the group's other engines;
+    and each group's adaptive engine's ``stats().adaptive`` at the end of its block (the fitted
+    costs and the one-row table it planned with).
 
     Group by group, the plain engine and every engine of the group are built once and kept; per round
     and c each runs one pass in turn, the order reversed every other round, so every ratio in a cell
@@ -169,6 +171,7 @@ def measure(rows: list[Row], chats: list, args) -> dict[tuple[str, int, int], li
     """
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     passes: dict[tuple[str, int, int], list[dict]] = {}
+    adaptive_stats: dict[str, dict] = {}
     plain = open_engine(rows[0], chats)
     try:
         for group in dict.fromkeys(r.group for r in rows[1:]):
@@ -184,13 +187,15 @@ def measure(rows: list[Row], chats: list, args) -> dict[tuple[str, int, int], li
                     print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
                         f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
                                                       for c in args.concurrency) for i in members), flush=True)
+                adaptive = next(i for i in members if rows[i].adaptive and not rows[i].is_pinned_off)
+                adaptive_stats[group] = engines[adaptive].stats().adaptive
             finally:
                 for i in members[1:]:
                     if i in engines:
                         engines[i].close()
     finally:
         plain.close()
-    return passes
+    return passes, adaptive_stats
 
 
 def median_pass(results: list[dict]) -> dict:
@@ -212,9 +217,10 @@ def cells(rows: list[Row], passes: dict, args) -> list[dict]:
             best_k = max(by_k, key=lambda k: by_k[k]["tok_s"])
             got = median_pass(passes[(group, adaptive, c)])
             reference = max(plain["tok_s"], by_k[best_k]["tok_s"])
+            reference_pass = plain if plain["tok_s"] >= by_k[best_k]["tok_s"] else by_k[best_k]
             cell = dict(drafter=group, c=c, plain=plain["tok_s"], **{f"k={k}": v["tok_s"] for k, v in by_k.items()},
                         best_k=best_k, adaptive=got["tok_s"], ratio=got["tok_s"] / reference,
-                        round_ratios=round_ratios(got, plain if plain["tok_s"] >= by_k[best_k]["tok_s"] else by_k[best_k]),
+                        round_ratios=round_ratios(got, reference_pass),
                         lengths=got["lengths"], off=got["off"])
             cell["verdicts"] = verdicts(group, c, cell, plain["tok_s"], by_k[best_k]["tok_s"])
             out.append(cell)
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specray-bench-adaptive-") as root:
         rows = configurations(args, on_own_thread(write_dflash, Path(root)))  # torch work off the main thread
         start = time.time()
-        passes = measure(rows, chats, args)
+        passes, adaptive_stats = measure(rows, chats, args)
     result = cells(rows, passes, args)
     print(f"\n{MODEL}, HumanEval problems 0..{args.num_prompts - 1} (chat), {args.output_len} new tokens "
           f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), median of {args.rounds} "
@@ -304,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
         concurrency=args.concurrency, rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
         machine=platform.processor() or platform.machine(), cells=result, length0=off,
+        adaptive_stats=adaptive_stats,
         passes=[dict(block=group, label=rows[i].label, c=c, passes=x) for (group, i, c), x in passes.items()]),
         indent=2))
     print(f"wrote {args.json}")

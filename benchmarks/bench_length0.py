@@ -3,11 +3,11 @@
     python -m benchmarks.bench_length0 [--eagle3 DIR] [--concurrency 2,4] [--rounds 8]
         [--json bench-results/length0.json]
 
-``bench_adaptive`` alternates whole engines (about 50 s each), so a burst of load falls on one
-configuration and its length-0 cells spread 0.87-1.17 between two runs of the same code. Here every
-engine is built once and kept: the plain engine and each drafter's adaptive engine pinned at
-length 0 (``bench_adaptive.PinnedOff``) run one pass each in turn (the chats in closed batches of
-c), the order reversed every other round, so both see the same load within seconds. The cost is
+Only the plain engine and each drafter's adaptive engine pinned at length 0
+(``bench_adaptive.PinnedOff``) are built, once, and run one pass each in turn (the chats in
+closed batches of c), the order reversed every other round, so both see the same load within
+seconds; ``bench_adaptive`` measures the same cells among its grid (interleaved the same way
+since 12-06 10:05), and this runs more rounds of them in the time. The cost is
 the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
 show the spread. Same target, prompts and settings as ``bench_adaptive``.
 """
