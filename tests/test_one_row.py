@@ -34,6 +34,17 @@ def test_a_length_timed_faster_than_a_shorter_one_costs_as_much_as_it():
     assert OneRowVerify(3, seeds={1: 11 * MS}).table(1 * MS) == ()  # no plain step timed yet
 
 
+def test_a_length_not_run_for_max_age_steps_forgets_its_times_and_takes_the_line():
+    rows = OneRowVerify(3, seeds={0: 10 * MS, 2: 11 * MS, 3: 30 * MS}, max_age=4)
+    assert rows.table(1 * MS) == pytest.approx((0.0, 0.5 * MS, 1 * MS, 20 * MS))
+    for _ in range(2):  # the planner now runs 2 drafts and plain steps only
+        rows.record(0, 10 * MS)
+        rows.record(2, 11 * MS)
+    # 3's time (from before) is forgotten: past the lengths seen, 1 ms a draft (the line)
+    assert rows.table(1 * MS) == pytest.approx((0.0, 0.5 * MS, 1 * MS, 2 * MS))
+    assert rows.stats() == {"num_timed": [2, 0, 2, 0]}
+
+
 def test_the_model_prices_a_one_row_step_from_its_table_and_every_other_step_by_the_line():
     cost = StepCost(c_step=10 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS, one_row_verify=(0.0, 0.6 * MS, 5 * MS))
     assert cost.predict(one_row(2)) == pytest.approx(16 * MS)  # 10 + 1 + the table's 5
@@ -59,6 +70,7 @@ def test_the_batch_fit_gives_one_row_steps_the_table_of_their_target_time():
     assert by_batch.at(1).one_row_verify == pytest.approx((0.0, 2 * MS, 4 * MS))
     assert by_batch.at(2).one_row_verify == ()
     assert by_batch.stats()["one_row_verify_s"] == pytest.approx([0.0, 2 * MS, 4 * MS])
+    assert by_batch.stats()["one_row_timed"] == [1, 0, 1]
 
 
 def test_the_measured_table_chooses_what_the_line_through_it_misses():

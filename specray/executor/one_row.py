@@ -10,7 +10,9 @@ were 3-6% faster in tokens per second (the issue 27 grid's ngram cell at concurr
 
 So a one-row step keeps its own table: the last ``window`` times of the target's part of each
 such step (its drafting excluded: the drafter rows keep the line's price) per number of
-verified drafts, seeded by the start-up probe's batch-1 phases (one per length). ``table`` is
+verified drafts, seeded by the start-up probe's batch-1 phases (one per length), each time
+forgotten after ``max_age`` one-row steps (a length no longer run would otherwise keep a price
+from another load for good: the planner then never tries it again). ``table`` is
 the median time at each L over the plain step's, non-decreasing in L (a verify does not get
 cheaper with a draft more: where noise says so, the shorter length's time stands), linear
 between the lengths seen, and past the longest seen ``c_verify_row`` per draft.
@@ -29,11 +31,15 @@ from specray.errors import ConfigError
 class OneRowVerify:
     """Per number of verified drafts 0..ceiling, the latest target seconds of one-row steps."""
 
-    def __init__(self, ceiling: int, *, seeds: dict[int, float] | None = None, window: int = 32):
-        if not isinstance(ceiling, int) or ceiling < 0 or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"OneRowVerify needs an integer ceiling ({ceiling!r}) >= 0 and window ({window!r}) >= 1")
-        self.ceiling = ceiling
-        self._seconds = [deque(maxlen=window) for _ in range(ceiling + 1)]
+    def __init__(self, ceiling: int, *, seeds: dict[int, float] | None = None, window: int = 32,
+                 max_age: int = 256):
+        if not isinstance(ceiling, int) or ceiling < 0 or not isinstance(window, int) or window < 1 or \
+                not isinstance(max_age, int) or max_age < 1:
+            raise ConfigError(f"OneRowVerify needs an integer ceiling ({ceiling!r}) >= 0, window ({window!r}) >= 1 "
+                              f"and max_age ({max_age!r}) >= 1")
+        self.ceiling, self.max_age = ceiling, max_age
+        self._seconds = [deque(maxlen=window) for _ in range(ceiling + 1)]  # (record index, seconds)
+        self._num_recorded = 0
         for n, seconds in sorted((seeds or {}).items()):
             self.record(n, seconds)
 
@@ -42,15 +48,24 @@ class OneRowVerify:
         if not (isinstance(seconds, (int, float)) and seconds >= 0):
             raise ConfigError(f"a one-row step's target time ({seconds!r}) must be a number of seconds >= 0")
         if 0 <= num_verify_rows <= self.ceiling:
-            self._seconds[num_verify_rows].append(float(seconds))
+            self._seconds[num_verify_rows].append((self._num_recorded, float(seconds)))
+            self._num_recorded += 1
+
+    def _fresh(self, n: int) -> list[float]:
+        # a time older than max_age one-row steps is forgotten: the host's speed moves (the plain
+        # step's own times track it), and a length the planner stopped choosing is not run again
+        # unless the line past the lengths seen makes it look worth a try
+        oldest = self._num_recorded - self.max_age
+        return [seconds for index, seconds in self._seconds[n] if index >= oldest]
 
     def table(self, c_verify_row: float) -> tuple[float, ...]:
         """Seconds verifying 0..ceiling drafts adds to a plain one-row step (``StepCost.one_row_verify``);
-        empty until a plain one-row step has been timed."""
-        if not self._seconds[0]:
+        empty while no plain one-row step was timed within ``max_age``."""
+        fresh = [self._fresh(n) for n in range(self.ceiling + 1)]
+        if not fresh[0]:
             return ()
-        plain = median(self._seconds[0])
-        seen = {n: max(median(s) - plain, 0.0) for n, s in enumerate(self._seconds) if s}
+        plain = median(fresh[0])
+        seen = {n: max(median(s) - plain, 0.0) for n, s in enumerate(fresh) if s}
         out, last = [], 0  # last: the longest length seen so far
         for n in range(self.ceiling + 1):
             if n in seen:
@@ -63,4 +78,4 @@ class OneRowVerify:
         return tuple(out)
 
     def stats(self) -> dict:
-        return {"num_timed": [len(s) for s in self._seconds]}
+        return {"num_timed": [len(self._fresh(n)) for n in range(self.ceiling + 1)]}

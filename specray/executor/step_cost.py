@@ -320,4 +320,5 @@ class StepCostByBatch:
         if self.one_row is not None:
             one = self._fit(batch_class(1)).cost
             out["one_row_verify_s"] = list(self.one_row.table(one.c_verify_row))
+            out["one_row_timed"] = self.one_row.stats()["num_timed"]  # fresh times per length
         return out
