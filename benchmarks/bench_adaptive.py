@@ -216,11 +216,10 @@ def cells(rows: list[Row], passes: dict, args) -> list[dict]:
             by_k = {rows[i].k: median_pass(passes[(group, i, c)]) for i in static}
             best_k = max(by_k, key=lambda k: by_k[k]["tok_s"])
             got = median_pass(passes[(group, adaptive, c)])
-            reference = max(plain["tok_s"], by_k[best_k]["tok_s"])
-            reference_pass = plain if plain["tok_s"] >= by_k[best_k]["tok_s"] else by_k[best_k]
+            reference = max(plain, by_k[best_k], key=lambda x: x["tok_s"])  # plain on a tie
             cell = dict(drafter=group, c=c, plain=plain["tok_s"], **{f"k={k}": v["tok_s"] for k, v in by_k.items()},
-                        best_k=best_k, adaptive=got["tok_s"], ratio=got["tok_s"] / reference,
-                        round_ratios=round_ratios(got, reference_pass),
+                        best_k=best_k, adaptive=got["tok_s"], ratio=got["tok_s"] / reference["tok_s"],
+                        round_ratios=round_ratios(got, reference),
                         lengths=got["lengths"], off=got["off"])
             cell["verdicts"] = verdicts(group, c, cell, plain["tok_s"], by_k[best_k]["tok_s"])
             out.append(cell)

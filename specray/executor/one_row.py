@@ -40,6 +40,7 @@ class OneRowVerify:
         self.ceiling, self.max_age = ceiling, max_age
         self._seconds = [deque(maxlen=window) for _ in range(ceiling + 1)]  # (record index, seconds)
         self._num_recorded = 0
+        self._table: tuple[tuple[int, float], tuple[float, ...]] | None = None  # (record count, slope) -> table
         for n, seconds in sorted((seeds or {}).items()):
             self.record(n, seconds)
 
@@ -60,7 +61,14 @@ class OneRowVerify:
 
     def table(self, c_verify_row: float) -> tuple[float, ...]:
         """Seconds verifying 0..ceiling drafts adds to a plain one-row step (``StepCost.one_row_verify``);
-        empty while no plain one-row step was timed within ``max_age``."""
+        empty while no plain one-row step was timed within ``max_age``. Kept until the next record
+        (the planner asks at every one-row step and the stats after every loop turn)."""
+        key = (self._num_recorded, c_verify_row)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, self._build(c_verify_row))
+        return self._table[1]
+
+    def _build(self, c_verify_row: float) -> tuple[float, ...]:
         fresh = [self._fresh(n) for n in range(self.ceiling + 1)]
         if not fresh[0]:
             return ()

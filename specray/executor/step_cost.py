@@ -83,8 +83,8 @@ class StepCost:
         table = self.one_row_verify
         if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) for v in table) or table[:1] not in (
                 (), (0.0,)):
-            raise ConfigError(f"StepCost.one_row_verify ({table!r}) must be empty or start at 0 (no draft adds "
-                              f"nothing), every entry finite and >= 0 (seconds)")
+            raise ConfigError(f"StepCost.one_row_verify ({table!r}) must be empty or start at 0 (verifying no "
+                              f"draft adds no time), every entry finite and >= 0 (seconds)")
 
     @classmethod
     def from_coefficients(cls, coefficients) -> "StepCost":
