@@ -295,3 +295,54 @@ def test_paged_attention_bits_do_not_depend_on_threads_or_blocking(kernels):
         torch.set_num_threads(saved)
     assert torch.equal(one, two)
     assert torch.equal(alone, two[:1])
+
+
+def test_rms_norm_heads_is_rms_norm_on_each_head_in_place(kernels):
+    # DFlash's q/k norms on a fused projection: heads [first, first + count) of every row, the
+    # bits of rms_norm on those heads alone; the other heads (v) untouched
+    gen = torch.Generator().manual_seed(5)
+    rows, heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    weight = torch.randn(dim, generator=gen)
+    normed = qkv.clone()
+    kernels.rms_norm_heads(normed, weight, heads, kv_heads, dim, 1e-6)
+    view, out = qkv.view(rows, -1, dim), normed.view(rows, -1, dim)
+    expected = kernels.rms_norm(view[:, heads:heads + kv_heads].contiguous(), weight, 1e-6)
+    assert torch.equal(out[:, heads:heads + kv_heads], expected)
+    assert torch.equal(out[:, :heads], view[:, :heads]) and torch.equal(out[:, heads + kv_heads:], view[:, heads + kv_heads:])
+
+
+def test_rope_without_a_pool_rotates_as_with_one(kernels):
+    gen = torch.Generator().manual_seed(6)
+    rows, heads, kv_heads, dim = 4, 4, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = layers.RotaryEmbedding(dim, 10000.0, torch.device("cpu"))(torch.tensor([2, 5, 6, 9]), 10)
+    pool = torch.zeros(2, 2, kv_heads, 8, dim)
+    stored = kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, pool, torch.tensor([0, 1, 2, 3]))
+    alone = kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, None, None)
+    assert torch.equal(stored[0], alone[0]) and torch.equal(stored[1], alone[1])
+
+
+@pytest.mark.parametrize("context_lens, block_size", [([100, 5, 190], 64), ([0, 33, 64], 32)])
+def test_block_attention_matches_the_torch_path(context_lens, block_size, kernels, monkeypatch):
+    # DFlash's query block: m kept queries per sequence over its context in the pool plus all n
+    # of the block's own keys, no causal mask; the torch path gathers pages and takes a softmax
+    from specray.models.drafters import dflash
+
+    gen = torch.Generator().manual_seed(7)
+    seqs, n, m, kv_heads, heads, dim = 3, 16, 3, 2, 8, 64
+    pool = torch.randn(20, 2, kv_heads, block_size, dim, generator=gen)
+    tables = torch.stack([torch.randperm(20, generator=gen)[:8] for _ in range(seqs)])
+    q = torch.randn(seqs * m, heads, dim, generator=gen)
+    k, v = torch.randn(seqs * n, kv_heads, dim, generator=gen), torch.randn(seqs * n, kv_heads, dim, generator=gen)
+    lens = torch.tensor(context_lens)
+    args = (q, k, v, pool, tables, lens, max(context_lens), 0.125)
+    fast = dflash.context_block_attention(*args)
+    monkeypatch.setattr(dflash, "use_cpu_kernel", lambda q, pool: None)
+    # Tolerance: an online softmax over 16-key tiles against one softmax over every key (float32)
+    torch.testing.assert_close(fast, dflash.context_block_attention(*args), rtol=1e-5, atol=1e-5)
+    # a mutation check: the block's own keys must be attended (dropping them moves the output)
+    monkeypatch.undo()
+    without_block = kernels.block_attention(q, pool, tables, lens, torch.full((seqs,), m), torch.arange(0, seqs * m, m),
+                                            k[:0], v[:0], 0.125)
+    assert not torch.allclose(without_block, fast, atol=1e-3)

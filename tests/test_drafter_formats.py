@@ -213,6 +213,30 @@ def test_last_layer_on_the_drafted_slots_only_equals_the_whole_block(target, tmp
     assert not torch.equal(propose(drafter, tokens, features, k, empty_pools(drafter, 2))[1], kept[1])
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_the_fast_path_proposes_the_torch_paths_drafts(target, tmp_path, monkeypatch, method):
+    """The drafter's C kernels (small_gemm, the block's q/k norms and RoPE, its attention over pool and block; issue
+    29) against the same drafter on torch's ops alone (no kernels, as on a machine without a compiler): the same
+    drafts over two steps, logits within TOL (different summation orders)."""
+    from specray.models import cpu_kernels
+
+    target_dir, model, hf = target
+    drafter = load(method, WRITERS[method](tmp_path / "d", target_dir), model, k=4)
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45, 200, 13, 14]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+
+    def two_steps():
+        pools = empty_pools(drafter, drafter.kv_layout.num_layers)
+        first = propose(drafter, tokens[:18], features[:17], 4, pools)
+        return first, propose(drafter, tokens, features[17:], 4, pools, consumed=17)
+    fast = two_steps()
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    slow = two_steps()
+    for (fast_drafts, fast_logits), (slow_drafts, slow_logits) in zip(fast, slow):
+        assert fast_drafts == slow_drafts
+        torch.testing.assert_close(fast_logits, slow_logits, **TOL)
+
+
 # --------------------------------------------------------------------------- DSpark
 
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

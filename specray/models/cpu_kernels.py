@@ -106,9 +106,16 @@ class CpuKernels(FusedLayerKernels):
         self._norm = lib.specray_rms_norm
         self._norm.argtypes = [ptr] * 3 + [i64] * 2 + [f32]
         self._norm.restype = None
+        self._norm_heads = lib.specray_rms_norm_heads
+        self._norm_heads.argtypes = [ptr] * 2 + [i64] * 5 + [f32]
+        self._norm_heads.restype = None
         self._attn = lib.specray_paged_attention
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
+        self._attn_extra = lib.specray_paged_attention_extra
+        self._attn_extra.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int] + [ptr] * 2 + [
+            i64, ptr]
+        self._attn_extra.restype = None
         self._silu = lib.specray_silu_mul
         self._silu.argtypes = [ptr] * 2 + [i64] * 2
         self._silu.restype = None
@@ -182,6 +189,13 @@ class CpuKernels(FusedLayerKernels):
         self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
         return y
 
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, first: int, count: int, dim: int,
+                       eps: float) -> None:
+        """In place: RMSNorm (``rms_norm``'s bits) of heads ``first .. first + count - 1`` of each
+        row of a contiguous [rows, heads * dim] fused projection (Qwen3's q_norm / k_norm)."""
+        rows = x.shape[0]
+        self._norm_heads(x.data_ptr(), weight.data_ptr(), rows, x.numel() // (rows * dim), first, count, dim, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a contiguous float32 [rows, 2 * inter] fused projection (the fused
         MLP's activation)."""
@@ -190,15 +204,30 @@ class CpuKernels(FusedLayerKernels):
         self._silu(gate_up.data_ptr(), act.data_ptr(), rows, inter)
         return act
 
+    def block_attention(self, q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_lens: torch.Tensor, q_starts: torch.Tensor,
+                        extra_k: torch.Tensor, extra_v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``paged_attention`` without a causal mask, every query also seeing its sequence's
+        ``extra_k.shape[0] // S`` keys of extra_k / extra_v ([S * n, kv_heads, dim], contiguous) after
+        its ``context_lens`` pool keys: DFlash's query block attending to itself."""
+        _, _, kv_heads, block_size, dim = pool.shape
+        num_seqs = context_lens.shape[0]
+        out = torch.empty_like(q)
+        self._attn_extra(q.data_ptr(), pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                         context_lens.data_ptr(), query_lens.data_ptr(), q_starts.data_ptr(), num_seqs, q.shape[1],
+                         kv_heads, block_size, dim, scale, 0, extra_k.data_ptr(), extra_v.data_ptr(),
+                         extra_k.shape[0] // num_seqs, out.data_ptr())
+        return out
+
     def rope_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                      pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      pool: torch.Tensor | None, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k) from a contiguous fused qkv [N, (heads + 2 kv_heads) * dim]; k and v are
-        stored into the contiguous pool layer at ``slots``."""
-        rows, dim = qkv.shape[0], pool.shape[4]
+        stored into the contiguous pool layer at ``slots`` (no pool: nothing is stored)."""
+        rows, dim = qkv.shape[0], pool.shape[4] if pool is not None else cos.shape[-1]
         q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
         k = torch.empty(rows, kv_heads, dim, dtype=qkv.dtype)
         self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, kv_heads, dim, q.data_ptr(),
-                   k.data_ptr(), pool.data_ptr(), slots.data_ptr(), pool.shape[3])
+                   k.data_ptr(), _ptr(pool), _ptr(slots), pool.shape[3] if pool is not None else 1)
         return q, k
 
     def paged_attention(self, q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,

@@ -4,8 +4,10 @@
  * - specray_rms_norm: y = w * (x / sqrt(mean(x^2) + eps)), float32, one row at a time.
  * - specray_paged_attention: attention of each sequence's queries to its cached keys read
  *   in place from the paged pool (no gather, no copies), GQA by indexing the kv head,
- *   causal or not, with an online softmax in float32 updated once per tile of 16 keys.
- * - specray_rope_store_kv: RoPE of q and k and the store of k and v into the pool.
+ *   causal or not, with an online softmax in float32 updated once per tile of 16 keys;
+ *   ``_extra``: the same, non-causal, with more keys per sequence outside the pool.
+ * - specray_rope_store_kv: RoPE of q and k and the store of k and v into the pool (or none).
+ * - specray_rms_norm_heads: Qwen3's per-head q/k norm, in place in a fused projection.
  *
  * Each output is computed by one thread in a fixed order, so results do not depend on the
  * thread count (ranks computing the same thing agree bit for bit).
@@ -31,14 +33,25 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+static inline void rms_norm_row(const float *x, const float *weight, float *y, int64_t dim, float eps) {
+    float inv = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
+    for (int64_t i = 0; i < dim; ++i) y[i] = weight[i] * (x[i] * inv);
+}
+
 void specray_rms_norm(const float *x, const float *weight, float *y, int64_t rows, int64_t dim, float eps) {
     #pragma omp parallel for schedule(static) if (rows > 8)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * dim;
-        float *yr = y + r * dim;
-        float inv = 1.0f / sqrtf(dot(xr, xr, dim) / (float)dim + eps);
-        for (int64_t i = 0; i < dim; ++i) yr[i] = weight[i] * (xr[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * dim, weight, y + r * dim, dim, eps);
+}
+
+/* In place, heads first .. first + count - 1 of every row of x [rows, heads_per_row, dim]:
+ * a per-head RMSNorm (Qwen3's q_norm / k_norm) on a fused projection, as specray_rms_norm. */
+void specray_rms_norm_heads(float *x, const float *weight, int64_t rows, int64_t heads_per_row, int64_t first,
+                            int64_t count, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = first; h < first + count; ++h) {
+            float *xh = x + (r * heads_per_row + h) * dim;
+            rms_norm_row(xh, weight, xh, dim, eps);
+        }
 }
 
 #define KEY_TILE LANES /* keys scored before one softmax update: one vector of scores */
@@ -206,10 +219,15 @@ static int64_t queries_per_block(const int64_t *query_lens, int64_t num_seqs, in
     return size < QUERY_BLOCK ? size : QUERY_BLOCK;
 }
 
-void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
-                             const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
-                             int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
-                             float scale, int causal, float *out) {
+/* specray_paged_attention with extra_n more keys per sequence after its context, read from
+ * extra_k / extra_v ([S * extra_n, kv_heads, dim], contiguous) instead of the pool: DFlash's
+ * query block, whose own K/V are computed in the step and never stored. Not causal: every
+ * query sees its context_lens[s] pool keys, then all extra_n keys (extra_n = 0: the pool only). */
+void specray_paged_attention_extra(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
+                                   const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
+                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size,
+                                   int64_t dim, float scale, int causal, const float *extra_k,
+                                   const float *extra_v, int64_t extra_n, float *out) {
     const int64_t group = heads / kv_heads;
     const int64_t page = 2 * kv_heads * block_size * dim; /* floats per block */
     const int64_t v_offset = kv_heads * block_size * dim;
@@ -237,7 +255,7 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
                     const int64_t row = ((q_starts[s] + j) * heads + h) * dim;
                     qs[i] = q + row;
                     outs[i] = out + row;
-                    visible[i] = causal ? ctx - n + j + 1 : ctx;
+                    visible[i] = causal ? ctx - n + j + 1 : ctx + extra_n;
                     limit = visible[i] > limit ? visible[i] : limit;
                     max[i] = -INFINITY;
                     sum[i] = 0.0f;
@@ -246,10 +264,16 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
                 for (int64_t t0 = 0; t0 < limit; t0 += KEY_TILE) {
                     const int64_t tile = min64(KEY_TILE, limit - t0);
                     const float *keys[KEY_TILE], *values[KEY_TILE];
-                    for (int64_t t = 0; t < KEY_TILE; ++t) { /* past the context: the first key again, weighed 0 */
+                    for (int64_t t = 0; t < KEY_TILE; ++t) { /* past the keys: the tile's first again, weighed 0 */
                         const int64_t pos = t < tile ? t0 + t : t0;
-                        keys[t] = pool + table[pos / block_size] * page + (kvh * block_size + pos % block_size) * dim;
-                        values[t] = keys[t] + v_offset;
+                        if (pos < ctx) {
+                            keys[t] = pool + table[pos / block_size] * page + (kvh * block_size + pos % block_size) * dim;
+                            values[t] = keys[t] + v_offset;
+                        } else { /* an extra key: row pos - ctx of this sequence's */
+                            const int64_t row = ((s * extra_n + pos - ctx) * kv_heads + kvh) * dim;
+                            keys[t] = extra_k + row;
+                            values[t] = extra_v + row;
+                        }
                     }
                     for (int64_t i = 0; i < count; ++i) {
                         const int64_t seen = min64(tile, visible[i] - t0); /* causal: a prefix of the tile */
@@ -261,6 +285,14 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
             }
         }
     }
+}
+
+void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
+                             const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
+                             int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
+                             float scale, int causal, float *out) {
+    specray_paged_attention_extra(q, pool, block_tables, width, context_lens, query_lens, q_starts, num_seqs, heads,
+                                  kv_heads, block_size, dim, scale, causal, NULL, NULL, 0, out);
 }
 
 /* RoPE (rotate-half convention) of q and k, and the store of k and v into the pool, in one
@@ -275,7 +307,7 @@ void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin,
     const int64_t page = 2 * kv_heads * block_size * dim;
     for (int64_t r = 0; r < rows; ++r) {
         const float *x = qkv + r * row_size, *c = cos + r * dim, *s = sin + r * dim;
-        const int64_t block = slots[r] / block_size, offset = slots[r] % block_size;
+        const int64_t block = pool ? slots[r] / block_size : 0, offset = pool ? slots[r] % block_size : 0;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
             const float *xh = x + h * dim;
             float *o = h < heads ? q_out + (r * heads + h) * dim : k_out + (r * kv_heads + h - heads) * dim;
@@ -287,7 +319,7 @@ void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin,
                 float a = xh[i] * c[i], b = xh[i - half] * s[i];
                 o[i] = a + b;
             }
-            if (h >= heads) { /* k: into the pool next to its v */
+            if (h >= heads && pool) { /* k: into the pool next to its v (no pool: q and k only) */
                 const int64_t kvh = h - heads;
                 float *dst = pool + block * page + (kvh * block_size + offset) * dim;
                 memcpy(dst, o, dim * sizeof(float));

@@ -25,17 +25,17 @@ Sharding: fc and hidden_norm replicated; each layer's heads and MLP over tp as i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
-from specray.models.attention import build_metadata, write_kv
+from specray.models.attention import build_metadata, use_cpu_kernel, write_kv
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES, TILE_TOKENS
+from specray.models.cpu_kernels import kernels_for
 from specray.models.decoder import CausalLM, DecoderLayer
 from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear
 from specray.models.drafters.formats import DFlashFormat, check_tensors, layer_tensors
-from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope, linear
 
 
 def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -51,6 +51,11 @@ def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
                          f"not {block_size}")
     kv_heads, dim, heads = pool.shape[2], pool.shape[4], q.shape[1]
     n, m = k.shape[0] // num_seqs, q.shape[0] // num_seqs
+    kernels = use_cpu_kernel(q, pool)
+    if kernels is not None:  # the pool read in place, the block's keys beside it: one C call
+        query_lens = torch.full((num_seqs,), m, dtype=torch.int64)
+        return kernels.block_attention(q.contiguous(), pool, tables.contiguous(), context_lens, query_lens,
+                                       torch.arange(0, num_seqs * m, m), k.contiguous(), v.contiguous(), scale)
     wanted = -(-max_context // TILE_TOKENS) * (TILE_TOKENS // block_size)
     tables = tables[:, :wanted]
     if tables.shape[1] < wanted:  # the last tile may reach past every table: pad, then mask
@@ -67,6 +72,26 @@ def context_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     scores.masked_fill_(~visible[:, None, None, None], float("-inf"))
     o = torch.einsum("skgnt,sktd->skgnd", scores.softmax(-1), values)
     return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * m, heads, dim).to(q.dtype)
+
+
+def _rotated(attn, qkv: torch.Tensor, heads: int, cos, sin, pool: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) [N, heads or kv heads, dim] of a fused projection [N, (heads + 2 kv heads) * dim]
+    after Qwen3's q/k norms and RoPE (``heads`` 0: a [k | v] projection, no q); with a pool,
+    k and v are stored at ``slots``. Where the C kernels serve: the norms in place, then
+    RoPE (and the store) in one call."""
+    kv_heads, dim = attn.num_local_kv_heads, attn.head_dim
+    kernels = kernels_for(qkv, cos, sin, *(() if pool is None else (pool,)))
+    if kernels is not None and type(attn.k_norm) is RMSNorm:  # (not Qwen3-Next's zero-centred norm)
+        if heads:
+            kernels.rms_norm_heads(qkv, attn.q_norm.weight, 0, heads, dim, attn.q_norm.eps)
+        kernels.rms_norm_heads(qkv, attn.k_norm.weight, heads, kv_heads, dim, attn.k_norm.eps)
+        return kernels.rope_store_kv(qkv, cos, sin, heads, kv_heads, pool, slots)
+    qkv = qkv.view(-1, heads + 2 * kv_heads, dim)
+    k = apply_rope(attn.k_norm(qkv[:, heads:heads + kv_heads]), cos, sin)
+    if pool is not None:
+        write_kv(pool, k, qkv[:, heads + kv_heads:], slots)
+    return apply_rope(attn.q_norm(qkv[:, :heads]), cos, sin), k
 
 
 def expected_tensors(fmt: DFlashFormat) -> dict[str, tuple[int, ...]]:
@@ -110,11 +135,9 @@ class DFlashDrafter(nn.Module):
     def _write_context(layer: DecoderLayer, context: torch.Tensor, cos, sin, pool, slots) -> None:
         """K/V of the injected context through this layer's own k/v projections."""
         attn = layer.self_attn
-        q_size, kv_size = attn.qkv.out_sizes[0], attn.qkv.out_sizes[1]
+        q_size = attn.qkv.out_sizes[0]
         bias = attn.qkv.bias[q_size:] if attn.qkv.bias is not None else None
-        k, v = F.linear(context, attn.qkv.weight[q_size:], bias).split([kv_size, kv_size], dim=-1)
-        k = attn.k_norm(k.view(-1, attn.num_local_kv_heads, attn.head_dim))
-        write_kv(pool, apply_rope(k, cos, sin), v.view(-1, attn.num_local_kv_heads, attn.head_dim), slots)
+        _rotated(attn, linear(context, attn.qkv.weight[q_size:], bias), 0, cos, sin, pool, slots)
 
     @staticmethod
     def _layer(layer: DecoderLayer, x: torch.Tensor, cos, sin, pool, tables, context_lens, max_context,
@@ -124,16 +147,14 @@ class DFlashDrafter(nn.Module):
         queries, o_proj and MLP run on the kept rows only, as each of those is row by row."""
         attn = layer.self_attn
         heads, kv_heads, dim = attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim
-        qkv = attn.qkv(layer.input_layernorm(x)).view(-1, heads + 2 * kv_heads, dim)
-        k = apply_rope(attn.k_norm(qkv[:, heads:heads + kv_heads]), cos, sin)
-        q = qkv[:, :heads]
+        qkv = attn.qkv(layer.input_layernorm(x))
+        q, k = _rotated(attn, qkv, heads, cos, sin)
         if keep is not None:
             num_seqs = tables.shape[0]
             rows = torch.arange(x.shape[0], device=x.device).view(num_seqs, -1)[:, keep].reshape(-1)
-            q, x, cos, sin = q[rows], x[rows], cos[rows], sin[rows]
-        q = apply_rope(attn.q_norm(q), cos, sin)
-        o = context_block_attention(q, k, qkv[:, heads + kv_heads:], pool, tables, context_lens, max_context,
-                                    attn.scale)
+            q, x = q[rows], x[rows]
+        v = qkv.view(-1, heads + 2 * kv_heads, dim)[:, heads + kv_heads:]
+        o = context_block_attention(q, k, v, pool, tables, context_lens, max_context, attn.scale)
         x = x + attn.o_proj(o.reshape(o.shape[0], -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
