@@ -78,14 +78,30 @@ def draft_step_bytes(method: str, k: int, drafter: dict[str, int], target_head: 
     return forwards_per_step(method, k) * (own + head)
 
 
+def mtp_tensors(target: dict[str, int], num_layers: int) -> dict[str, int]:
+    """The MTP modules' tensors inside a target checkpoint (DeepSeek-V3's ``model.layers.{L}.*``
+    after the target's L layers, or Qwen3-Next's ``mtp.*``), a module's own head
+    (``shared_head.head``) renamed ``lm_head.weight`` so draft_step_bytes counts it as the head."""
+    first = f"model.layers.{num_layers}."
+    out = {name: b for name, b in target.items() if name.startswith(first) or name.startswith("mtp.")}
+    head = first + "shared_head.head.weight"
+    if head in out:
+        out["lm_head.weight"] = out.pop(head)
+    return out
+
+
 def checkpoint_draft_bytes(method: str, k: int, drafter_dir: Path, target_dir: Path) -> int:
-    """draft_step_bytes for checkpoints on disk."""
+    """draft_step_bytes for checkpoints on disk (``mtp``: drafter_dir is the target's own)."""
     target = tensor_bytes(target_dir)
-    tied = bool(json.loads((Path(target_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
-    target_head = head_bytes(target, tied)
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    target_head = head_bytes(target, bool(config.get("tie_word_embeddings", False)))
     if target_head is None:
         raise ValueError(f"target checkpoint {target_dir} has neither lm_head.weight nor a tied embedding")
-    return draft_step_bytes(method, k, tensor_bytes(drafter_dir), target_head)
+    if method == "mtp":
+        drafter = mtp_tensors(target, config["num_hidden_layers"])
+    else:
+        drafter = tensor_bytes(drafter_dir)
+    return draft_step_bytes(method, k, drafter, target_head)
 
 
 def ideal_from_bytes(acceptance_length: float, plain_step_ms: float, draft_bytes: int, gbps: float,

@@ -52,3 +52,32 @@ def test_checkpoints_on_disk(tmp_path):
     (target / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     with pytest.raises(ValueError, match="neither lm_head.weight nor a tied embedding"):
         db.checkpoint_draft_bytes("dflash", 3, drafter, target)
+
+
+def test_mtp_counts_its_modules_inside_the_target_with_their_own_head():
+    # DeepSeek-V3's layout: the module is layer L = 2 after the target's two; its shared_head.head is its head
+    target = {"model.embed_tokens.weight": 1000, "model.layers.1.mlp.down_proj.weight": 300, "lm_head.weight": 500,
+              "model.layers.2.eh_proj.weight": 80, "model.layers.2.mlp.down_proj.weight": 300,
+              "model.layers.2.shared_head.head.weight": 500}
+    module = db.mtp_tensors(target, num_layers=2)
+    assert module == {"model.layers.2.eh_proj.weight": 80, "model.layers.2.mlp.down_proj.weight": 300,
+                      "lm_head.weight": 500}
+    assert db.draft_step_bytes("mtp", 3, module, target_head=500) == 3 * (380 + 500)
+    # Qwen3-Next's layout: mtp.*, the target's head
+    assert db.mtp_tensors({"mtp.fc.weight": 64, "model.layers.0.x": 9}, num_layers=1) == {"mtp.fc.weight": 64}
+
+
+def test_summarize_takes_the_median_rounds_ratio_and_its_parts():
+    # bench_drafters: per round, plain TPOT over the method's; the median round's parts give the bytes columns
+    from benchmarks.bench_drafters import summarize
+
+    plains = [{"tpot_ms": 10.0}, {"tpot_ms": 12.0}, {"tpot_ms": 10.0}]
+    parts = [{"draft fwd": d, "draft head": 1.0, "sample": 0.0, "verify fwd": 12.0, "verify head": 1.0, "step": 20.0}
+             for d in (3.0, 4.0, 5.0)]
+    passes = [{"tpot_ms": 5.0, "parts": parts[0]}, {"tpot_ms": 4.0, "parts": parts[1]},
+              {"tpot_ms": 8.0, "parts": parts[2]}]
+    cell = summarize("dflash", 1, passes, plains, draft_bytes=2_000_000, gbps=1.0, acceptance_length=3.0)
+    assert cell["round_ratios"] == [2.0, 3.0, 1.25] and cell["speedup"] == 2.0  # the median round: the first
+    assert cell["draft_ms"] == 4.0 and cell["verify_ms"] == 13.0 and cell["bytes_ms"] == pytest.approx(2.0)
+    # ideal B = 3 * 10 / (2 + 13) = 2.0, so eff B = 2.0 / 2.0
+    assert cell["ideal_bytes"] == pytest.approx(2.0) and cell["eff_bytes"] == pytest.approx(1.0)
