@@ -3,6 +3,7 @@ interleaved round by round, with the drafter's bytes-based ideal beside each spe
 
     python -m benchmarks.bench_drafters [--methods draft_model,eagle3,dflash,dspark,mtp]
         [--batches 1,4] [--k 3] [--force 3] [--rounds 5] [--output-len 96] [--json PATH]
+    python -m benchmarks.bench_drafters --tp-check [--rounds 5]   # plain decoding, TP 2 against TP 1
 
 Target ``mid-llama`` (TP 1, local: rank 0 in this process), each method's preset drafter (``mtp``
 loads ``mid-llama-mtp``, the same target layers plus its MTP module, and is compared with plain
@@ -17,6 +18,10 @@ its own; a cell reports the median round, and every round's ratio. Rank 0's Spec
 
     ideal B = AL * t_plain_step / (draft bytes / GB/s + t_verify)      (drafter_bytes.py)
     eff B   = speedup / ideal B
+
+``--tp-check`` measures the issue's no-regression line instead: plain decoding of mid-llama at TP 2
+(two processes, the mp launcher) against TP 1 on the same cores, interleaved the same way, at
+batch 1 (the ratio is TP 1's TPOT over TP 2's: above 1, TP 2 is faster).
 
 with t_verify the measured verify (forward and head) and GB/s the batch-1 GEMV bandwidth
 measured in this run (the faster of before and after the grid). ``draft ms`` is the measured
@@ -49,13 +54,35 @@ def target_of(method: str | None) -> str:
     return MTP_TARGET if method == "mtp" else TARGET
 
 
-def build(method: str | None, args) -> LLM:
+def build(method: str | None, args, tp: int = 1) -> LLM:
     spec = SpecConfig()
     if method is not None:
         spec = SpecConfig(method=method, draft_model=PRESETS[method], num_draft_tokens=args.k,
                           force_accepted_tokens=args.force)
     return LLM(EngineConfig(model=target_of(method), kv=KVConfig(tokens_per_block=64, capacity_tokens=16384),
-                            parallel=ParallelConfig(tp_size=1, launcher="local"), spec=spec))
+                            parallel=ParallelConfig(tp_size=tp, launcher="mp" if tp > 1 else "local"), spec=spec))
+
+
+def tp_check(args) -> dict:
+    """Plain decoding at TP 1 and TP 2, one generation each per round in turn (order reversed
+    every other round): every round's TP 1 TPOT over TP 2's, and the median."""
+    prompts = prompts_for(1, args.input_len, VOCAB_SIZE)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    engines = {}
+    try:
+        for tp in (1, 2):
+            engines[tp] = build(None, args, tp)
+            engines[tp].generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        tpot: dict[int, list[float]] = {1: [], 2: []}
+        for r in range(args.rounds):
+            for tp in (1, 2) if r % 2 == 0 else (2, 1):
+                outs = engines[tp].generate(prompts, params)
+                tpot[tp].append(statistics.median(o.metrics["tpot_s"] for o in outs) * 1e3)
+    finally:
+        for llm in engines.values():
+            llm.close()
+    ratios = [one / two for one, two in zip(tpot[1], tpot[2])]
+    return dict(tpot_ms=tpot, round_ratios=ratios, ratio=statistics.median(ratios))
 
 
 def one_pass(llm: LLM, prompts: list[list[int]], args) -> dict:
@@ -148,7 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--json", type=Path, default=Path("bench-results/drafters.json"))
+    ap.add_argument("--tp-check", action="store_true", help="plain decoding at TP 2 against TP 1 instead")
     args = ap.parse_args(argv)
+    if args.tp_check:
+        started, load_before = time.strftime("%H:%M"), os.getloadavg()[0]
+        result = tp_check(args)
+        print(f"mid-llama plain decoding, batch 1, {args.rounds} interleaved rounds, {started}-{time.strftime('%H:%M')}"
+              f" UTC, load {load_before:.1f} -> {os.getloadavg()[0]:.1f}: TP 2 at {result['ratio']:.2f}x TP 1's speed "
+              f"(per round {' '.join(f'{x:.2f}' for x in result['round_ratios'])}; TPOT ms TP 1 "
+              f"{' '.join(f'{x:.1f}' for x in result['tpot_ms'][1])}, TP 2 {' '.join(f'{x:.1f}' for x in result['tpot_ms'][2])})")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        return 0
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(PRESETS))
     if unknown:

@@ -45,7 +45,7 @@ def plain(engine_ckpts):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_greedy_speculative_output_is_the_targets(engine_ckpts, plain, method, k, page, tp):
