@@ -185,6 +185,8 @@ def stale_while_paused(monkeypatch):
                 self.features[sid] = [kept[-1][-1:]] if kept else []
 
     monkeypatch.setattr(SpecRunner, "observe_plain", observe_stale)
+    # nor does it write the drafter's KV where the prefix cache asked it to catch up (plan.catch_up)
+    monkeypatch.setattr(SpecRunner, "_catch_up", lambda self, seq_ids: None)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3", "dflash"])

@@ -273,18 +273,29 @@ def test_shared_hit_length_rule():
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "dflash", "eagle3", "mtp"])
-def test_nothing_the_drafter_has_not_written_is_hit(kind):
-    """A request that finished after its prefill never drafted: its drafter KV is unwritten,
-    so no pool may serve it (the target's hit is clipped to the draft frontier)."""
+def test_a_prompt_only_request_is_hit_where_its_drafter_caught_up(kind):
+    """A request that finished after its prefill never drafted; its prefill step names it in the
+    plan's catch_up (every rank's drafter then writes every position but the last: 0..68), so
+    the pages below are published and the next request hits 64 tokens. Rows that draft are never
+    named: their draft writes the drafter's KV. Without prefix caching nothing is named."""
     sched, rng = make_scheduler(kind, 16), random.Random(1)
     tokens = list(range(70))
     sched.add(sequence(0, tokens, 1))
+    plans = []
     while sched.has_work:
-        step(sched, rng)
+        plans.append(step(sched, rng))
+    assert plans[0].catch_up == [0]
     again = sequence(1, tokens, 4)
     sched.add(again)
-    sched.schedule()
-    assert again.num_cached_tokens == 0
+    step(sched, rng)  # admitted with its hit
+    assert again.num_cached_tokens == 64
+    while sched.has_work:
+        plan = step(sched, rng)
+        assert not set(plan.catch_up) & {sid for sid, n in zip(plan.seq_ids, plan.num_drafts) if n}
+    uncached = make_scheduler(kind, 16)
+    uncached.prefix_pools = []
+    uncached.add(sequence(2, tokens, 1))
+    assert uncached.schedule().catch_up == []
 
 
 def test_plain_decoding_hits_after_a_one_token_request_and_salts_isolate():

@@ -128,13 +128,32 @@ def test_unkeyed_successor_is_caught(ckpt, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["draft_model", "dflash", "eagle3", "mtp"])
-def test_a_request_that_never_drafted_publishes_no_drafter_page(ckpt, method, tmp_path, monkeypatch):
+def test_a_request_that_never_drafted_publishes_its_pages_once_its_drafter_caught_up(ckpt, method, tmp_path,
+                                                                                      monkeypatch):
+    """A prompt-only request never drafts, yet its drafter catches up on its pages after the prefill
+    (plan.catch_up, executor/prefix_hits.py), so they are published and the next request hits them
+    and drafts what a cold run drafts (the same draft log). Before, nothing a drafter shared was
+    published until it drafted: with adaptive speculation at length 0 a request never hit its own
+    prompt again. A mutation: without the catch-up, the drafter's part of the hit pages is stale
+    (never written), and the drafts after the hit differ from the cold run's."""
+    from specray.workers.spec_step import SpecRunner
+
     monkeypatch.setenv("SPECRAY_TEST_DRAFTS_DIR", str(tmp_path))
     with LLM(config(ckpt, method)) as llm:
         run = Runner(llm, tmp_path, 1)
         assert run(FIRST, max_tokens=1)["cached"] == 0
-        assert run(FIRST)["cached"] == 0  # the target's pages alone are not a hit
-        assert run(FIRST)["cached"] == 32
+        cold = run(FIRST, salt="cold")
+        warm = run(FIRST)
+        assert cold["cached"] == 0 and warm["cached"] == 32
+        assert warm["tokens"] == cold["tokens"] and warm["steps"] == cold["steps"]
+    monkeypatch.setattr(SpecRunner, "_catch_up", lambda self, seq_ids: None)
+    (tmp_path / "stale").mkdir()
+    monkeypatch.setenv("SPECRAY_TEST_DRAFTS_DIR", str(tmp_path / "stale"))  # a log of its own
+    with LLM(config(ckpt, method)) as llm:
+        run = Runner(llm, tmp_path / "stale", 1)
+        run(FIRST, max_tokens=1)
+        stale = run(FIRST)
+        assert stale["cached"] == 32 and stale["steps"] != cold["steps"]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])

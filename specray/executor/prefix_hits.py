@@ -12,6 +12,14 @@ every step each pool publishes its pages that hold only verified KV: the target 
 has consumed), a standalone drafter's pool below what it has consumed
 (``num_draft_valid``). Freed pages (finish, abort, preemption, rollback) go back through the
 allocator, which keeps the published ones cached.
+
+A drafter catches up on the positions it has not consumed when it next drafts. A row that does
+not draft (a prompt's last chunk; adaptive length 0, for as long as it lasts) would then publish
+no page the drafter's KV shares, and a request would never hit its own prompt again: so when such
+a row's verified positions after the step reach a page the drafter has not covered, the plan
+names it (``catch_up``) and every rank's drafter writes its KV there after the step, all but the
+last position (the next draft's first forward starts from it): once a page, the same work it
+would do at its next draft, done earlier.
 """
 
 from __future__ import annotations
@@ -57,6 +65,15 @@ class PrefixHits:
             tables.append(seq.draft_block_table)
         seq.page_keys = [pool.publish(table, keys, seq.token_ids, n, seq.cache_salt) for pool, table, keys, n
                          in zip(self.prefix_pools, tables, seq.page_keys or [[]] * len(tables), valid)]
+
+    def _catches_up(self, seq: Sequence, is_partial: bool) -> bool:
+        """Whether the drafter catches up after this step on the row's verified positions but the
+        last (module docstring): it drafts nothing, samples, and that reaches a page past what
+        the drafter holds."""
+        if not self.prefix_pools or self.drafter_kv is None or seq.num_drafts_fed or is_partial:
+            return False
+        page = self.tokens_per_block if self.drafter_kv == "target" else self.draft_tokens_per_block
+        return (len(seq.token_ids) - 1) // page > seq.num_draft_valid // page
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (keys dropped; pages in use stay with their requests and are

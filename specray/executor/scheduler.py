@@ -151,6 +151,7 @@ class Scheduler(PrefixHits, StateRows):
         self._finished: list[int] = []  # since the last plan: ranks drop every trace of them
         self._truncated: dict[int, tuple[int, int]] = {}  # since the last plan: rolled-back table lengths
         self._scheduled: list[tuple[Sequence, int]] = []  # the last plan's rows: (sequence, tokens fed)
+        self._catch_up: list[int] = []  # the last plan's rows whose drafter catches up (prefix_hits.py)
         self.spec_counters = SpecCounters(num_draft_tokens)  # cumulative over every request
         # adaptive speculation: decoding sequences -> their draft lengths this step; None: k each
         self.choose_draft_lengths: Callable[[list[Sequence]], list[int]] | None = None
@@ -287,6 +288,7 @@ class Scheduler(PrefixHits, StateRows):
                         state_rows=self._pop_state_rows())
         self._preempted, self._finished, self._truncated = [], [], {}
         self._scheduled = [(seq, chunks[seq.seq_id]) for seq in self.running if seq.seq_id in chunks]
+        self._catch_up = plan.catch_up
         for seq, num_tokens in self._scheduled:
             plan.seq_ids.append(seq.seq_id)
             plan.input_ids.append(seq.token_ids[seq.num_computed:seq.num_computed + num_tokens])
@@ -307,6 +309,8 @@ class Scheduler(PrefixHits, StateRows):
                 is_decoding = not self._is_prefill(seq)
                 seq.num_drafts_fed = self.draft_lengths.get(seq.seq_id, self.num_draft_tokens) if is_decoding else 0
                 plan.num_drafts.append(seq.num_drafts_fed)
+                if self._catches_up(seq, seq.seq_id in plan.partial):
+                    plan.catch_up.append(seq.seq_id)
             if self.draft_allocator is not None:
                 plan.new_draft_blocks.append(seq.draft_block_table[seq.num_draft_blocks_sent:])
                 seq.num_draft_blocks_sent = len(seq.draft_block_table)
@@ -320,6 +324,7 @@ class Scheduler(PrefixHits, StateRows):
         finished = []
         if num_drafts is None:
             num_drafts = [seq.num_drafts_fed for seq, _ in self._scheduled]
+        caught_up = set(self._catch_up)
         for (seq, num_fed), new, proposed in zip(self._scheduled, tokens, num_drafts):
             if new is None or new == []:  # a partial chunk: its KV is in, nothing sampled
                 seq.num_computed += num_fed
@@ -327,7 +332,7 @@ class Scheduler(PrefixHits, StateRows):
                 continue
             new = new if isinstance(new, list) else [new]
             seq.num_decode_steps += 1 if seq.num_drafts_fed or seq.seq_id in self.draft_lengths else 0
-            if seq.num_drafts_fed and self.drafter_kv is not None:
+            if (seq.num_drafts_fed or seq.seq_id in caught_up) and self.drafter_kv is not None:
                 # the drafter consumed every position before the fed token (spec_step.py)
                 seq.num_draft_valid = max(seq.num_draft_valid, len(seq.token_ids) - 1)
             seq.is_prefilling = False

@@ -23,6 +23,9 @@ class StepPlan:
     num_drafts: list[int] = field(default_factory=list)  # most drafts to propose and verify, per sequence
     new_draft_blocks: list[list[int]] = field(default_factory=list)  # pages appended to draft block tables
     truncated: dict[int, tuple[int, int]] = field(default_factory=dict)  # rollback: (target, draft) table lengths
+    # rows that draft nothing this step after which the drafter catches up on their verified
+    # positions, so the prefix cache can publish a page while drafting is off (prefix_hits.py)
+    catch_up: list[int] = field(default_factory=list)
     # adaptive speculation with a confidence head (dspark): verify a row's drafts only while the
     # head's predicted P(every draft so far accepted) is at least this; None: the drafter's own rule
     verify_threshold: float | None = None

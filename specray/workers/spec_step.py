@@ -102,6 +102,7 @@ class SpecRunner:
             first += len(plan.input_ids[i])
             if new is not None:
                 self.tokens[sid].append(new)
+        self._catch_up(plan.catch_up)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[list[int]]:
@@ -136,9 +137,26 @@ class SpecRunner:
             out.append(new)
         if "state" in self.worker.geometry:  # hybrid target: keep the state after the accepted drafts only
             self.worker.commit_states(plan.seq_ids, self.num_drafts, accepted)
+        self._catch_up(plan.catch_up)
         # verify row j holds the target's logits at the position of new token j (accepted or bonus)
         self.worker.step_logprobs = self.worker.output_logprobs(plan.seq_ids, rows, out)
         return out
+
+    def _catch_up(self, seq_ids: list[int]) -> None:
+        """The drafter's KV at every verified position but the last of the plan's ``catch_up``
+        rows (rows that drafted nothing: executor/prefix_hits.py), as its next draft would
+        write it; the last position's feature stays for that draft's first forward."""
+        if self.drafter.kv_layout is None:
+            return
+        behind = [sid for sid in seq_ids if len(self.tokens[sid]) - 2 > self.consumed[sid]]  # a draft model may be ahead
+        if not behind:
+            return
+        pools, block_size, tables = self._draft_kv()
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, [])) for s in behind]
+        self.drafter.catch_up(DraftBatch(seqs, 0, pools, block_size, self.worker.ctx.device))
+        for sid, seq in zip(behind, seqs):
+            self.consumed[sid] = len(seq.tokens) - 2
+            self.features[sid] = [seq.features[-1:]] if seq.features is not None else []
 
     def _draft_kv(self) -> tuple[list[torch.Tensor], int, dict[int, list[int]]]:
         """Where the drafter keeps its KV: (pool layers, page size, block tables)."""

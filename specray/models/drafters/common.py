@@ -54,6 +54,20 @@ class DraftBatch:
     confidence_threshold: float | None = None  # this step's early stop (dspark), over the drafter's own
 
 
+def catch_up_rows(batch: DraftBatch) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """(starts, lengths, token ids, target features) of a feature-conditioned drafter's catch-up
+    without drafting: positions [consumed, L - 2), each paired with its feature and token p + 1.
+    Position L - 2 is left for the next draft, whose first forward starts from it (a drafter's
+    catch-up and first draft are one forward; every row's bits are its own, so splitting the
+    rows between two forwards changes no draft)."""
+    seqs = batch.seqs
+    starts = [s.num_consumed for s in seqs]
+    lens = [len(s.tokens) - 2 - s.num_consumed for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_consumed + 1:-1]], device=batch.device)
+    features = torch.cat([s.features[:n] for s, n in zip(seqs, lens)])
+    return starts, lens, ids, features
+
+
 def last_rows(query_lens: list[int], device: torch.device) -> torch.Tensor:
     """Index of each sequence's last row in a flattened batch."""
     return torch.tensor(query_lens, device=device).cumsum(0) - 1

@@ -33,7 +33,7 @@ from specray.models.attention import build_metadata, use_cpu_kernel, write_kv
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES, TILE_TOKENS
 from specray.models.cpu_kernels import kernels_for
 from specray.models.decoder import CausalLM, DecoderLayer
-from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear
+from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear, catch_up_rows
 from specray.models.drafters.formats import DFlashFormat, check_tensors, layer_tensors
 from specray.models.layers import RMSNorm, RotaryEmbedding, apply_rope, linear
 
@@ -166,17 +166,30 @@ class DFlashDrafter(nn.Module):
         cap = self.fmt.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def _write_context_all(self, batch: DraftBatch, lens: list[int], features: torch.Tensor):
+        """Every layer's K/V of the context at positions consumed + [0, lens[i]) from the target's
+        features there; returns that context's metadata (its block tables serve the block)."""
+        seqs = batch.seqs
+        positions, meta = build_metadata([s.block_table for s in seqs], batch.block_size,
+                                         [s.num_consumed for s in seqs], lens, batch.device)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
+        context = self.hidden_norm(self.fc(features))
+        for layer, pool in zip(self.layers, batch.pools):
+            self._write_context(layer, context, cos, sin, pool, meta.slot_mapping)
+        return meta
+
+    def catch_up(self, batch: DraftBatch) -> None:
+        """The context's K/V at positions [consumed, L - 2) of each sequence, drafting nothing
+        (common.catch_up_rows)."""
+        _, lens, _, features = catch_up_rows(batch)
+        self._write_context_all(batch, lens, features)
+
     def block_outputs(self, batch: DraftBatch, keep: slice = slice(None)) -> torch.Tensor:
         """Writes the new context's K/V; returns the query block's normed outputs at the slots
         ``keep`` selects [S, slots kept, H] (the last layer computes no other slot's output)."""
         seqs, n, dev = batch.seqs, self.block_size, batch.device
-        tables = [s.block_table for s in seqs]
-        ctx_starts = [s.num_consumed for s in seqs]
-        ctx_lens = [len(s.tokens) - 1 - s.num_consumed for s in seqs]
-        ctx_pos, ctx_meta = build_metadata(tables, batch.block_size, ctx_starts, ctx_lens, dev)
-        ctx_cos, ctx_sin = self.rotary(ctx_pos, max(ctx_meta.context_lens_list))
-        context = self.hidden_norm(self.fc(torch.cat([s.features for s in seqs])))
-
+        ctx_meta = self._write_context_all(batch, [len(s.tokens) - 1 - s.num_consumed for s in seqs],
+                                           torch.cat([s.features for s in seqs]))
         starts = [len(s.tokens) - 1 for s in seqs]
         positions = torch.tensor([p for start in starts for p in range(start, start + n)], device=dev)
         cos, sin = self.rotary(positions, max(starts) + n)
@@ -187,7 +200,6 @@ class DFlashDrafter(nn.Module):
         context_lens = torch.tensor(starts, device=dev)  # positions [0, L - 1) are context
         last = len(self.layers) - 1
         for i, (layer, pool) in enumerate(zip(self.layers, batch.pools)):
-            self._write_context(layer, context, ctx_cos, ctx_sin, pool, ctx_meta.slot_mapping)
             x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts),
                             keep if i == last else None)
         return self.norm(x).view(len(seqs), -1, x.shape[-1])

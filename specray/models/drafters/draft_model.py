@@ -48,6 +48,18 @@ class DraftModelDrafter(nn.Module):
         hidden = self.model(ids_t, positions, batch.pools, meta)
         return self.model.logits(hidden[last_rows(lens, batch.device)])
 
+    def catch_up(self, batch: DraftBatch) -> None:
+        """The draft model's KV at positions [consumed, L - 2) of each sequence (the tokens
+        there), drafting nothing: the next draft's first forward starts at L - 2, as after a
+        catch-up in common.catch_up_rows."""
+        seqs = batch.seqs
+        starts = [s.num_consumed for s in seqs]
+        lens = [len(s.tokens) - 2 - s.num_consumed for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_consumed:-2]], dtype=torch.int64,
+                           device=batch.device)
+        positions, meta = build_metadata([s.block_table for s in seqs], batch.block_size, starts, lens, batch.device)
+        self.model(ids, positions, batch.pools, meta)
+
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
         seqs = batch.seqs
         starts = [s.num_consumed for s in seqs]

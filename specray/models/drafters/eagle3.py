@@ -36,7 +36,8 @@ from specray.comm.context import DistContext
 from specray.kv.geometry import KVLayout
 from specray.models.attention import build_metadata
 from specray.models.decoder import MLP, Attention, CausalLM
-from specray.models.drafters.common import Choose, DraftBatch, ReplicatedLinear, last_rows, read_d2t, to_target_vocab
+from specray.models.drafters.common import (Choose, DraftBatch, ReplicatedLinear, catch_up_rows, last_rows, read_d2t,
+                                            to_target_vocab)
 from specray.models.drafters.formats import Eagle3Format, check_tensors, layer_tensors
 from specray.models.layers import (
     ParallelLMHead,
@@ -127,14 +128,25 @@ class Eagle3Drafter(nn.Module):
         """Target-vocabulary logits: draft logits placed at their target ids, -inf elsewhere."""
         return to_target_vocab(self.lm_head(self.norm(g)), self.target_ids, self.fmt.arch.vocab_size)
 
-    def _step(self, batch: DraftBatch, ids: torch.Tensor, h: torch.Tensor, starts: list[int],
-              lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, feedback) at each sequence's last row, for positions ``starts[i] + [0, lens[i])``."""
+    def _rows(self, batch: DraftBatch, ids: torch.Tensor, h: torch.Tensor, starts: list[int],
+              lens: list[int]) -> torch.Tensor:
+        """g at every row, for positions ``starts[i] + [0, lens[i])``; their KV is written."""
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
         cos, sin = self.rotary(positions, max(meta.context_lens_list))
-        g = self.layer(self.embed(ids), h, cos, sin, batch.pools[0], meta)[last_rows(lens, batch.device)]
+        return self.layer(self.embed(ids), h, cos, sin, batch.pools[0], meta)
+
+    def _step(self, batch: DraftBatch, ids: torch.Tensor, h: torch.Tensor, starts: list[int],
+              lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, feedback) at each sequence's last row, for positions ``starts[i] + [0, lens[i])``."""
+        g = self._rows(batch, ids, h, starts, lens)[last_rows(lens, batch.device)]
         return self.logits(g), self.norm(g) if self.fmt.norm_output else g
+
+    def catch_up(self, batch: DraftBatch) -> None:
+        """The layer's KV at positions [consumed, L - 2) of each sequence, drafting nothing
+        (common.catch_up_rows)."""
+        starts, lens, ids, features = catch_up_rows(batch)
+        self._rows(batch, ids, self.fc(features), starts, lens)
 
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
         seqs = batch.seqs

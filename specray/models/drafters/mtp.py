@@ -42,7 +42,8 @@ from specray.comm.context import DistContext
 from specray.models.arch import ModelArch, arch_from_hf_config
 from specray.models.attention import build_metadata
 from specray.models.decoder import CausalLM, DecoderLayer
-from specray.models.drafters.common import FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, last_rows
+from specray.models.drafters.common import (FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, catch_up_rows,
+                                            last_rows)
 from specray.models.drafters.mtp_format import DEEPSEEK_V3, MTPFormat, read_mtp_format
 from specray.models.layers import ParallelLMHead, RMSNorm
 from specray.models.mla import rotary_for
@@ -80,10 +81,14 @@ class MTPModule(nn.Module):
         if self.head is not None:
             self.head.load(reader, f"{p}.shared_head.head")
 
-    def forward(self, target: CausalLM, ids, h, cos, sin, pool, meta, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, fed-back hidden state) at ``rows``; the block's KV is written at every row."""
+    def forward(self, target: CausalLM, ids, h, cos, sin, pool, meta, rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, fed-back hidden state) at ``rows``; the block's KV is written at every row
+        (``rows`` None: only that, a catch-up)."""
         x = self.proj(torch.cat([self.enorm(target.embed_tokens(ids)), self.hnorm(h)], dim=-1))
-        g = self.block(x, cos, sin, pool, meta)[rows]
+        g = self.block(x, cos, sin, pool, meta)
+        if rows is None:
+            return None
+        g = g[rows]
         out = self.out_norm(g)
         if self.is_deepseek:
             return self.head(out), g
@@ -111,11 +116,19 @@ class MTPDrafter(nn.Module):
         for module in self.mtp:
             module.load(reader)
 
-    def _run(self, m: int, batch: DraftBatch, ids, h, starts: list[int], lens: list[int]):
+    def _run(self, m: int, batch: DraftBatch, ids, h, starts: list[int], lens: list[int], is_catch_up: bool = False):
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
         cos, sin = self.rotary(positions, max(meta.context_lens_list))
-        return self.mtp[m](self.target[0], ids, h, cos, sin, batch.pools[m], meta, last_rows(lens, batch.device))
+        rows = None if is_catch_up else last_rows(lens, batch.device)
+        return self.mtp[m](self.target[0], ids, h, cos, sin, batch.pools[m], meta, rows)
+
+    def catch_up(self, batch: DraftBatch) -> None:
+        """Every module's KV at positions [consumed, L - 2) of each sequence, drafting nothing
+        (common.catch_up_rows: the last position stays for the next draft's first forward)."""
+        starts, lens, ids, features = catch_up_rows(batch)
+        for m in range(len(self.mtp)):
+            self._run(m, batch, ids, features, starts, lens, is_catch_up=True)
 
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
         seqs = batch.seqs
