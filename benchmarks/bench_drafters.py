@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mid-llama plain decoding, batch 1, {args.rounds} interleaved rounds, {started}-{time.strftime('%H:%M')}"
               f" UTC, load {load_before:.1f} -> {os.getloadavg()[0]:.1f}: TP 2 at {result['ratio']:.2f}x TP 1's speed "
               f"(per round {' '.join(f'{x:.2f}' for x in result['round_ratios'])}; TPOT ms TP 1 "
-              f"{' '.join(f'{x:.1f}' for x in result['tpot_ms'][1])}, TP 2 {' '.join(f'{x:.1f}' for x in result['tpot_ms'][2])})")
+              f"{' '.join(f'{x:.1f}' for x in result['tpot_ms'][1])}, "
+              f"TP 2 {' '.join(f'{x:.1f}' for x in result['tpot_ms'][2])})")
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         return 0

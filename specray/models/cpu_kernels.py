@@ -113,8 +113,8 @@ class CpuKernels(FusedLayerKernels):
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
         self._attn_extra = lib.specray_paged_attention_extra
-        self._attn_extra.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int] + [ptr] * 2 + [
-            i64, ptr]
+        self._attn_extra.argtypes = ([ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int]
+                                     + [ptr, ptr, i64, ptr])
         self._attn_extra.restype = None
         self._silu = lib.specray_silu_mul
         self._silu.argtypes = [ptr] * 2 + [i64] * 2

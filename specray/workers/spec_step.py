@@ -148,11 +148,13 @@ class SpecRunner:
         write it; the last position's feature stays for that draft's first forward."""
         if self.drafter.kv_layout is None:
             return
-        behind = [sid for sid in seq_ids if len(self.tokens[sid]) - 2 > self.consumed[sid]]  # a draft model may be ahead
+        # (a draft model that drafted may already hold more: its cache keeps its accepted drafts)
+        behind = [sid for sid in seq_ids if len(self.tokens[sid]) - 2 > self.consumed[sid]]
         if not behind:
             return
         pools, block_size, tables = self._draft_kv()
-        seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, [])) for s in behind]
+        seqs = [DraftSeq(self.tokens[s], self.consumed[s], _joined(self.features[s]), tables.get(s, []))
+                for s in behind]
         self.drafter.catch_up(DraftBatch(seqs, 0, pools, block_size, self.worker.ctx.device))
         for sid, seq in zip(behind, seqs):
             self.consumed[sid] = len(seq.tokens) - 2
