@@ -126,14 +126,16 @@ static inline __attribute__((always_inline)) void quant_block(
 }
 
 /* C rows of w per pass for M rows of x: the M x C accumulators, 2 C dequantized vectors and the
- * rows of x must stay in registers (32 on AVX-512): 4 up to 2 rows, 2 up to 4, else 1 (M chains);
- * at one row 8 where there are 32 registers (5% more GB/s than 4 on every SmolLM2 Q4_1 shape,
- * 16:25 UTC 2026-12-06), 4 on AVX2's 16. */
+ * rows of x must stay in registers. AVX-512's 32: 8 at one row, 4 at two, else 2 (at most 16
+ * accumulators: 8 rows of x per pass); measured against 4 at one row and 1 past four rows, on
+ * SmolLM2's shapes, two threads from memory (2026-12-06): 1.04-1.06x at one row, 1.03-1.58x at
+ * 5-8 rows. AVX2's 16 (each accumulator two 8-float halves): 4 up to 2 rows, 2 up to 4, else 1. */
 static inline int columns_for(int64_t M) {
 #if defined(__AVX512F__)
-    if (M == 1) return 8;
-#endif
+    return M == 1 ? 8 : M <= 2 ? 4 : 2;
+#else
     return M <= 2 ? 4 : M <= 4 ? 2 : 1;
+#endif
 }
 
 /* The driver, one instance per format: C rows of w per step, split statically over threads as
