@@ -120,11 +120,41 @@ def test_the_edge_cases_are_in_the_blocks():
             assert set(nibbles & 15) == set(nibbles >> 4) == set(range(16))  # every nibble value
 
 
+def random_bf16(n: int, k: int, seed: int) -> np.ndarray:
+    """A BF16 [n, k] weight as GGUF stores it (2 bytes a weight): both signs, exponents from 2^-37
+    to 2^32, about a tenth subnormal or zero (+0 and -0). No inf or nan."""
+    gen = np.random.default_rng(seed)
+    sign = gen.integers(0, 2, (n, k), dtype=np.uint16) << 15
+    exponent = gen.integers(90, 160, (n, k), dtype=np.uint16)
+    kind = gen.random((n, k))
+    exponent[kind < 0.1] = 0  # subnormal, or zero with mantissa 0 below
+    mantissa = gen.integers(0, 128, (n, k), dtype=np.uint16)
+    mantissa[kind < 0.03] = 0
+    return (sign | exponent << 7 | mantissa).view(np.uint8).reshape(n, 2 * k)
+
+
+@pytest.mark.parametrize("k_blocks", K_BLOCKS)
+def test_bf16_gemv_is_small_gemm_on_the_bf16_weight(k_blocks, kernels):
+    # BF16 is the top half of a float32: the GEMV widens it exactly and sums in small_gemm's order
+    n, k = 37, 32 * k_blocks
+    blocks = random_bf16(n, k, seed=k_blocks)
+    weight = torch.from_numpy(quants.dequantize(blocks, QType.BF16).astype(np.float32, copy=False))
+    assert torch.isfinite(weight).all() and (weight == 0).any() and (weight.abs() < 2.0 ** -126).any()
+    x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k_blocks))
+    for rows in ROWS:
+        x = x_all[:rows]
+        expected = kernels.small_gemm(x, weight.contiguous(), None)
+        for threads in (1, 2):
+            got = kernels.quant.gemv(x, torch.from_numpy(blocks), QType.BF16, (n, k), threads=threads)
+            assert torch.equal(got, expected), (rows, k, threads)
+
+
 def test_the_format_table(kernels):
     assert kernels.quant.block_layout(QType.Q4_1) == (32, 20)
     assert kernels.quant.block_layout(QType.Q8_0) == (32, 34)
     for ggml_type, (block_bytes, _) in LAYOUTS.items():  # the C table agrees with gguf's
         assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type] == (32, block_bytes)
+    assert kernels.quant.block_layout(QType.BF16) == (32, 64)  # 32 weights at a time (GGUF: 1 weight, 2 bytes)
     assert not kernels.quant.has_kernel(QType.Q4_K)
 
 

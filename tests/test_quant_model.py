@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from gguf_files import write_gguf
 from kernel_build import built_kernels
-from test_quant_gemv import LAYOUTS, random_blocks
+from test_quant_gemv import LAYOUTS, random_bf16, random_blocks
 from test_smollm2 import QUESTIONS
 from test_weight_memory import RankOf, held_bytes
 
@@ -247,6 +247,61 @@ def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monk
                 assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
                                                                        theirs.get_submodule(name).weight), name
             assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+
+
+LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def test_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.{name}.weight": QType.BF16 for i in range(2) for name in LAYERS}
+    types.update({"token_embd.weight": QType.BF16, "output.weight": QType.BF16})
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    quant = _load(path, "exact", monkeypatch)
+    held = quantized_weights(quant)
+    assert len(held) == 2 * 4 + 2 and {w.type_name for w in held} == {"BF16"}  # qkv, o, gate_up, down; embedding, head
+    dense = _load(path, "0", monkeypatch)
+    ids, block_size = torch.tensor([3, 14, 15, 92, 65, 35]), 16
+    outs = []
+    for model in (quant, dense):  # a prompt of 5, then a decode step: the module and the fused path
+        pools = [torch.zeros(2, 2, 2, block_size, 64) for _ in range(2)]
+        outs.append([_step(model, pools, [[1]], block_size, [0], [5], ids[:5]),
+                     _step(model, pools, [[1]], block_size, [5], [1], ids[5:])])
+    for ours, theirs in zip(*outs):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_bf16_shard_of_partial_blocks_is_float32(kernels, tmp_path, caplog, monkeypatch):
+    # TP 2: down's K shard (96 / 2 = 48) is not whole 32-weight blocks of the kernels: float32,
+    # one log line; the other BF16 weights keep their bytes (each rank's shard of them)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = write_gguf(hf_dir, tmp_path / "m.gguf",
+                      types={f"blk.{i}.{name}.weight": QType.BF16 for i in range(2) for name in LAYERS})
+    ctx = DistContext(tp=RankOf(2, 1), moe_tp=RankOf(2, 1))
+    with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
+        quant = _load(path, "exact", monkeypatch, ctx)
+    assert [r.getMessage() for r in caplog.records] == [
+        "BF16 weights of 48 columns are not whole blocks of the kernels' 32 weights: those weights are "
+        "dequantized to float32 at load"]
+    dense = _load(path, "0", monkeypatch, ctx)
+    for ours, theirs in zip(quant.layers, dense.layers):
+        for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
+            weight = ours.get_submodule(name).weight
+            assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
+                                                                   theirs.get_submodule(name).weight), name
+        assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+
+
+def test_the_bf16_dequantizer_gives_the_gguf_packages_values(kernels):
+    for n, k in ((1, 32), (7, 96), (33, 576)):
+        blocks = random_bf16(n, k, seed=n)
+        ours = kernels.quant.dequantize(torch.from_numpy(blocks), int(QType.BF16), (n, k))
+        theirs = torch.from_numpy(quants.dequantize(blocks, QType.BF16).astype(np.float32))
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)
 
 
 @pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)

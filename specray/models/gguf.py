@@ -33,7 +33,7 @@ from gguf import GGUFReader as _StockReader
 from gguf import quants
 
 from specray.models.arch import ModelArch
-from specray.models.quant_weight import QuantWeight
+from specray.models.quant_weight import KERNEL_BLOCK_WEIGHTS, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,10 @@ class GGUFReader:
             data, k = data[:, start // size * nbytes:end // size * nbytes], end - start
         elif dim == 0:
             data = data[start:end]
+        if k % KERNEL_BLOCK_WEIGHTS:  # BF16 (one weight a block in GGUF): the kernels take 32 at a time
+            self.log_once(f"{qtype.name} weights of {k} columns are not whole blocks of the kernels' "
+                           f"{KERNEL_BLOCK_WEIGHTS} weights: those weights are dequantized to float32 at load")
+            return None
         blocks = self._unpermuted(name, tensor, np.ascontiguousarray(data), dim, start, end)
         return QuantWeight(blocks=torch.from_numpy(np.array(blocks, dtype=np.uint8)), ggml_type=int(qtype),
                            shape=(blocks.shape[0], k))

@@ -36,6 +36,10 @@ from torch import nn
 from specray.models import cpu_kernels
 
 QUANT_MODES = ("exact", "0")
+# every kernel format works on 32 weights at a time (quant_gemv.c's BLOCK_SIZE): GGUF's blocks of
+# 32, and BF16's single weights 32 at a time, so a BF16 weight whose in_features (or shard) is not
+# a multiple of 32 stays float32
+KERNEL_BLOCK_WEIGHTS = 32
 
 
 def quant_mode() -> str:

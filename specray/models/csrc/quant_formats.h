@@ -51,15 +51,18 @@ static inline bytes16 load16(const uint8_t *p) {
     return v;
 }
 
-/* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out. */
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
+/* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out.
+ * BF16 has no blocks in GGUF (one weight, 2 bytes); its "block" here is 32 weights, 64 bytes, so
+ * the driver takes it when K is a multiple of 32 (the loader keeps float32 otherwise). */
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16 };
 
 /* The table of formats: GGML type id (ggml.h's enum ggml_type) and bytes per block of BLOCK_SIZE
  * weights; how each dequantizes is dequantize() (or dequantize8()) below, its driver in quant_gemv.c. */
 #define BLOCK_SIZE 32
 static const struct {
     int ggml_type, block_bytes;
-} FORMATS[] = {[Q8_0] = {8, 34}, [Q4_0] = {2, 18}, [Q4_1] = {3, 20}, [Q5_0] = {6, 22}, [Q5_1] = {7, 24}};
+} FORMATS[] = {[Q8_0] = {8, 34}, [Q4_0] = {2, 18}, [Q4_1] = {3, 20}, [Q5_0] = {6, 22}, [Q5_1] = {7, 24},
+               [BF16] = {30, 64}};
 #define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
 
 #if defined(__AVX512F__)
@@ -91,6 +94,11 @@ static inline __attribute__((always_inline)) void nibbles_from_table(const uint8
 }
 
 static inline __attribute__((always_inline)) void dequantize(int FMT, const uint8_t *b, vec *lo, vec *hi) {
+    if (FMT == BF16) { /* the top 16 bits of a float32: exact */
+        *lo = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16);
+        *hi = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 32))), 16);
+        return;
+    }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (FMT == Q4_1) { /* half d, half m, nibbles: d * q + m; d and m converted together */
         const __m128 dm = _mm_cvtph_ps(_mm_loadu_si128((const __m128i *)b)); /* lanes 2, 3: nibbles, unused */
@@ -142,6 +150,16 @@ static inline half_ivec widen8_s(const uint8_t *p) { sbytes8 v; memcpy(&v, p, 8)
 #endif
 
 static inline __attribute__((always_inline)) void dequantize8(int FMT, const uint8_t *b, half_vec w[4]) {
+    if (FMT == BF16) { /* the top 16 bits of a float32: exact */
+        typedef uint16_t u16x8 __attribute__((vector_size(16)));
+        for (int i = 0; i < 4; ++i) {
+            u16x8 v;
+            memcpy(&v, b + 16 * i, sizeof v);
+            const half_uvec bits = __builtin_convertvector(v, half_uvec) << 16;
+            memcpy(&w[i], &bits, sizeof bits);
+        }
+        return;
+    }
     const float d = half_to_float(b);
     if (FMT == Q8_0) {
         for (int i = 0; i < 4; ++i) w[i] = __builtin_convertvector(widen8_s(b + 2 + 8 * i), half_vec) * d;
