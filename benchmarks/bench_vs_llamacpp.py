@@ -272,7 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spec-factor", type=float, default=SPEC_FACTOR,
                     help="specray's ngram prompt_lookup_spec_factor (drafts per matched token; 0: up to k always)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 32 tokens, 1 round")
-    ap.add_argument("--json", type=Path, default=None, help="default: bench-results/bench_vs_llamacpp_MODEL.json")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default: bench-results/bench_vs_llamacpp_MODEL_WEIGHTS.json")
     args = ap.parse_args(argv)
     args.lookup = tuple(int(x) for x in args.lookup.split(","))
     args.ngram_k = tuple(int(x) for x in args.ngram_k.split(","))
@@ -318,7 +319,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)} (1/5/15 min) on {os.cpu_count()} CPUs")
-    out = args.json or Path(f"bench-results/bench_vs_llamacpp_{args.model}.json")
+    out = args.json or Path(f"bench-results/bench_vs_llamacpp_{args.model}_{args.weights}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         model=args.model, weights=args.weights, file=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
