@@ -241,7 +241,7 @@ void specray_paged_attention_extra(const float *q, const float *pool, const int6
      * decode step reads the cache from memory (the weights streamed since the last step evicted
      * it); two threads on the two query blocks of one kv head missed on the same lines at once:
      * SmolLM2's 30 layers at 384 cached tokens took 2.38 ms that way, 1.88 ms this way (same bits;
-     * 16:55 UTC 2026-12-06, pools cycled beyond L3). Prefetching tiles ahead did not help. */
+     * 16:20 UTC 2026-12-06, pools cycled beyond L3). Prefetching tiles ahead did not help. */
     #pragma omp parallel for collapse(3) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
         for (int64_t b = 0; b < num_blocks; ++b) {

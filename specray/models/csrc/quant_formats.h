@@ -86,7 +86,7 @@ static inline void q5_high_bits(const uint8_t *qh_bytes, ivec *lo, ivec *hi) {
 /* The 4-bit formats pick each weight from its block's 16 values (q = 0..15 dequantized once, the
  * same operation on the same operands, so the same bits): vpermps reads only the low 4 bits of
  * each index, so the low nibbles need no mask. 12% fewer cycles per Q4_1 block than converting
- * every nibble (a C harness from L2, 16:15 UTC 2026-12-06: 6.65 against 7.56 cycles). */
+ * every nibble (a C harness from L2, 16:07 UTC 2026-12-06: 6.65 against 7.56 cycles). */
 static inline __attribute__((always_inline)) void nibbles_from_table(const uint8_t *qs, __m512 table, vec *lo, vec *hi) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
     *lo = (vec)_mm512_permutexvar_ps(q, table);

@@ -22,7 +22,7 @@
 #define QUANT_ROW_BLOCK 8 /* rows of x per pass over the rows of w: accumulators in registers */
 #define QUANT_MAX_COLUMNS 8 /* rows of w per pass (quant_rows) */
 /* One row of x takes one thread below this much float32 weight: measured from memory with the
- * next pass prefetched (16:25 UTC 2026-12-06), two threads read 576 x 576 Q4_1 at 11.6 GB/s
+ * next pass prefetched (16:13 UTC 2026-12-06), two threads read 576 x 576 Q4_1 at 11.6 GB/s
  * against one's 7.2, 320 x 576 at 6.8 against 6.0, and 192 x 576 at 4.6 against 5.3 (small_gemm's
  * 1.5 MiB, which this was, kept SmolLM2's o projection on one thread). */
 #define QUANT_PARALLEL_MIN_BYTES (0.5 * 1024 * 1024)
@@ -31,7 +31,7 @@
  * of this pass: a pass reads C rows block by block, C streams a row apart, and the hardware
  * prefetcher did not follow them from memory once rows were long (down, K = 1536: 5.2 GB/s
  * from memory on one thread against 9.4 with this, the same as rows of K = 576; measured in a C
- * harness, 16:20 UTC 2026-12-06). Read one pass ahead in order, memory sees one sequential
+ * harness, 16:10 UTC 2026-12-06). Read one pass ahead in order, memory sees one sequential
  * stream. Past the weight's end the prefetches fetch nothing that matters (they never fault). */
 static inline __attribute__((always_inline)) void prefetch_next_pass(const uint8_t *next, int64_t at, int step) {
     for (int off = 0; off < step + 63; off += 64) __builtin_prefetch(next + at + off);
