@@ -62,6 +62,33 @@ def _step(model, pools, tables, block_size, starts, query_lens, ids) -> torch.Te
         return model.logits(model(ids, positions, pools, meta))
 
 
+LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # GGUF names
+
+
+def _assert_prefill_and_decode_equal(quant, dense) -> None:
+    """A prompt of 5 tokens (the module path), then a decode step (the fused path): the logits of
+    the model with blocks equal the float32 model's, bit for bit."""
+    ids, block_size = torch.tensor([3, 14, 15, 92, 65, 35]), 16
+    outs = []
+    for model in (quant, dense):
+        pools = [torch.zeros(2, 2, 2, block_size, 64) for _ in range(2)]
+        outs.append([_step(model, pools, [[1]], block_size, [0], [5], ids[:5]),
+                     _step(model, pools, [[1]], block_size, [5], [1], ids[5:])])
+    for ours, theirs in zip(*outs):
+        assert torch.equal(ours, theirs)
+
+
+def _assert_blocks_are_the_shard_but_down(quant, dense) -> None:
+    """Every layer's qkv, o and gate/up kept blocks that dequantize to the float32 rank's shard;
+    down (whose K shard splits the kernels' blocks) is that shard in float32."""
+    for ours, theirs in zip(quant.layers, dense.layers):
+        for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
+            weight = ours.get_submodule(name).weight
+            assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
+                                                                   theirs.get_submodule(name).weight), name
+        assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+
+
 def test_the_shipped_file_stays_in_its_blocks(models):
     quant, dense = models
     weights = quantized_weights(quant)
@@ -196,14 +223,7 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     assert isinstance(quant.layers[1].self_attn.o_proj.weight, QuantWeight)
     assert quant.embed_tokens.weight.type_name == "Q4_0" and quant.lm_head.weight.type_name == "Q8_0"
     dense = _load(path, "0", monkeypatch)
-    ids, block_size = torch.tensor([3, 14, 15, 92, 65, 35]), 16
-    outs = []
-    for model in (quant, dense):  # a prompt of 5, then a decode step: the module and the fused path
-        pools = [torch.zeros(2, 2, 2, block_size, 64) for _ in range(2)]
-        outs.append([_step(model, pools, [[1]], block_size, [0], [5], ids[:5]),
-                     _step(model, pools, [[1]], block_size, [5], [1], ids[5:])])
-    for ours, theirs in zip(*outs):
-        assert torch.equal(ours, theirs)
+    _assert_prefill_and_decode_equal(quant, dense)
 
 
 def test_a_bad_quant_mode_is_refused(monkeypatch):
@@ -231,8 +251,7 @@ def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monk
     hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=96,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types={
-        f"blk.{i}.{name}.weight": QType.Q8_0 for i in range(2)
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")})
+        f"blk.{i}.{name}.weight": QType.Q8_0 for i in range(2) for name in LAYERS})
     for rank in range(2):
         ctx = DistContext(tp=RankOf(2, rank), moe_tp=RankOf(2, rank))
         caplog.clear()
@@ -241,15 +260,7 @@ def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monk
         assert [r.getMessage() for r in caplog.records] == ["Q8_0 row-parallel shards of 48 columns split blocks "
                                                             "of 32: those weights are dequantized to float32 at load"]
         dense = _load(path, "0", monkeypatch, ctx)
-        for ours, theirs in zip(quant.layers, dense.layers):
-            for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
-                weight = ours.get_submodule(name).weight
-                assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
-                                                                       theirs.get_submodule(name).weight), name
-            assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
-
-
-LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        _assert_blocks_are_the_shard_but_down(quant, dense)
 
 
 def test_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
@@ -263,14 +274,7 @@ def test_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_p
     held = quantized_weights(quant)
     assert len(held) == 2 * 4 + 2 and {w.type_name for w in held} == {"BF16"}  # qkv, o, gate_up, down; embedding, head
     dense = _load(path, "0", monkeypatch)
-    ids, block_size = torch.tensor([3, 14, 15, 92, 65, 35]), 16
-    outs = []
-    for model in (quant, dense):  # a prompt of 5, then a decode step: the module and the fused path
-        pools = [torch.zeros(2, 2, 2, block_size, 64) for _ in range(2)]
-        outs.append([_step(model, pools, [[1]], block_size, [0], [5], ids[:5]),
-                     _step(model, pools, [[1]], block_size, [5], [1], ids[5:])])
-    for ours, theirs in zip(*outs):
-        assert torch.equal(ours, theirs)
+    _assert_prefill_and_decode_equal(quant, dense)
 
 
 def test_a_bf16_shard_of_partial_blocks_is_float32(kernels, tmp_path, caplog, monkeypatch):
@@ -288,28 +292,16 @@ def test_a_bf16_shard_of_partial_blocks_is_float32(kernels, tmp_path, caplog, mo
         "BF16 weights of 48 columns are not whole blocks of the kernels' 32 weights: those weights are "
         "dequantized to float32 at load"]
     dense = _load(path, "0", monkeypatch, ctx)
-    for ours, theirs in zip(quant.layers, dense.layers):
-        for name in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up"):
-            weight = ours.get_submodule(name).weight
-            assert isinstance(weight, QuantWeight) and torch.equal(weight.dequantize(),
-                                                                   theirs.get_submodule(name).weight), name
-        assert torch.equal(ours.mlp.down.weight, theirs.mlp.down.weight)
+    _assert_blocks_are_the_shard_but_down(quant, dense)
 
 
-def test_the_bf16_dequantizer_gives_the_gguf_packages_values(kernels):
-    for n, k in ((1, 32), (7, 96), (33, 576)):
-        blocks = random_bf16(n, k, seed=n)
-        ours = kernels.quant.dequantize(torch.from_numpy(blocks), int(QType.BF16), (n, k))
-        theirs = torch.from_numpy(quants.dequantize(blocks, QType.BF16).astype(np.float32))
-        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)
-
-
-@pytest.mark.parametrize("ggml_type", list(LAYOUTS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [*LAYOUTS, QType.BF16], ids=lambda t: t.name)
 def test_the_panel_dequantizer_gives_the_gguf_packages_values(kernels, ggml_type):
     # prefill dequantizes panels with the GEMV's own dequantizer: it must be gguf.quants.dequantize,
-    # bit for bit, on the GEMV test's blocks (every nibble, zero, subnormal and negative scales)
+    # bit for bit, on the GEMV test's blocks (every nibble, zero, subnormal and negative scales;
+    # BF16: subnormals and both zeros)
     for n, k in ((1, 32), (7, 96), (33, 576)):
-        blocks = random_blocks(ggml_type, n, k, seed=n)
+        blocks = random_bf16(n, k, seed=n) if ggml_type == QType.BF16 else random_blocks(ggml_type, n, k, seed=n)
         ours = kernels.quant.dequantize(torch.from_numpy(blocks.reshape(n, -1)), int(ggml_type), (n, k))
         theirs = torch.from_numpy(quants.dequantize(blocks.reshape(n, -1), ggml_type).astype(np.float32))
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (n, k)  # -0.0 too

@@ -56,8 +56,8 @@ class QuantGemv:
     def gemv(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
              bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)``, W of ``shape`` (out_features, in_features) held as ``blocks``.
-        ``threads`` None: small_gemm's rule (one thread for one row below 1.5 MiB of float32 weight, else
-        torch's); a number is capped at torch's."""
+        ``threads`` None: one thread for one row below 0.5 MiB of float32 weight (quant_gemv.c's
+        QUANT_PARALLEL_MIN_BYTES), else torch's; a number is capped at torch's."""
         n, k = shape
         self._check(x, blocks, ggml_type, n, k, bias)
         x = x.contiguous()
