@@ -1,7 +1,7 @@
 """specray against llama.cpp (llama-cpp-python) on the same GGUF file, in one run.
 
     python -m benchmarks.bench_vs_llamacpp [--model smollm2-135m|mid-llama] [--weights shipped|q8_0|bf16|f32]
-        [--threads N] [--rounds 3] [--quick]
+        [--quant exact|fast] [--threads N] [--rounds 3] [--quick]
 
 llama-cpp-python is an optional anchor (``make anchors`` builds it from source: about 11 minutes
 on 2 cores); without it this prints how to install it and exits 0 (a benchmark, not a test).
@@ -271,6 +271,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="specray's ngram prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--spec-factor", type=float, default=SPEC_FACTOR,
                     help="specray's ngram prompt_lookup_spec_factor (drafts per matched token; 0: up to k always)")
+    ap.add_argument("--quant", choices=("exact", "fast"), default="exact",
+                    help="specray's SPECRAY_CPU_QUANT: exact (the F32 path's bits, the default) or fast (int8 "
+                         "activations with VNNI: its tokens are compared with the F32 path's, not required equal)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 32 tokens, 1 round")
     ap.add_argument("--json", type=Path, default=None,
                     help="default: bench-results/bench_vs_llamacpp_MODEL_WEIGHTS.json")
@@ -294,6 +297,7 @@ def main(argv=None) -> int:
     except ImportError:
         print(f"{INSTALL_HINT}\nskipped: bench_vs_llamacpp measured nothing")
         return 0
+    os.environ["SPECRAY_CPU_QUANT"] = args.quant  # read by every specray engine this run starts
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -305,24 +309,25 @@ def main(argv=None) -> int:
     best, history = run_rounds(args, path, hf_path, prompts, modes, n_ctx, threads)
     load_after = os.getloadavg()
     rows, agree = table_rows(best), agreements(best)
-    if args.weights != "f32":  # the quantized kernels must give the F32 path's tokens
+    if args.weights != "f32":  # the exact kernels must give the F32 path's tokens (fast: reported)
         agree["specray vs its F32 path, plain"] = agreement(best["specray"]["plain"]["tokens"],
                                                             f32_path_tokens(path, prompts, args.output_len))
-    print(f"\n{args.model} {args.weights} ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {len(prompts)} prompt(s) of "
+    print(f"\n{args.model} {args.weights}, specray SPECRAY_CPU_QUANT={args.quant} ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_len} new tokens each, batch 1, "
           f"greedy, {threads} thread(s), fastest of {args.rounds} alternating round(s); specray ngram "
           f"lookup {args.lookup[0]}-{args.lookup[1]}-grams, spec factor {args.spec_factor or 'off'}; llama-cpp-python {llama_cpp.__version__}\n")
     print(format_table(rows, COLUMNS))
     for name, a in agree.items():
         print(f"same tokens, {name}: {a['identical']:.0%} of outputs identical, {a['prefix']:.0%} agreeing prefix")
-    lines = verdicts(rows, args.weights)
+    lines = [f"[SPECRAY_CPU_QUANT={args.quant}] {line}" for line in verdicts(rows, args.weights)]
     print("\n".join(lines))
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)} (1/5/15 min) on {os.cpu_count()} CPUs")
-    out = args.json or Path(f"bench-results/bench_vs_llamacpp_{args.model}_{args.weights}.json")
+    suffix = "" if args.quant == "exact" else f"_{args.quant}"
+    out = args.json or Path(f"bench-results/bench_vs_llamacpp_{args.model}_{args.weights}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        model=args.model, weights=args.weights, file=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
+        model=args.model, weights=args.weights, quant=args.quant, file=str(path), prompts=len(prompts), prompt_lens=list(map(len, prompts)),
         output_len=args.output_len, rounds=args.rounds, threads=threads, prompt_lookup_min_max=list(args.lookup),
         spec_factor=args.spec_factor,
         quick=args.quick, rows=rows,

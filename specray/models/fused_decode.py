@@ -44,13 +44,15 @@ def _addr(t: torch.Tensor | QuantWeight | None) -> int:
 
 
 def _ggml_type(weight: torch.Tensor | QuantWeight) -> int:
-    """fused_layer.c's weight type: 0 (GGML's F32) for a float32 tensor, else the blocks' type."""
-    return weight.ggml_type if isinstance(weight, QuantWeight) else 0
+    """fused_layer.c's weight type: 0 (GGML's F32) for a float32 tensor, else the blocks' type
+    (marked when repacked for SPECRAY_CPU_QUANT=fast)."""
+    return weight.kernel_type if isinstance(weight, QuantWeight) else 0
 
 
 def _is_served(kernels: CpuKernels, weight: torch.Tensor | QuantWeight) -> bool:
     if isinstance(weight, QuantWeight):
-        return kernels.quant.has_kernel(weight.ggml_type)
+        return kernels.quant.has_fast_kernel(weight.ggml_type) if weight.is_fast else kernels.quant.has_kernel(
+            weight.ggml_type)
     return kernels_for(weight) is not None
 
 

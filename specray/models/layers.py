@@ -64,7 +64,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tens
 def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     kernels = kernels_for(rows)
-    if kernels is not None and 1 <= rows.shape[0] <= kernels.max_rows:
+    if weight.is_fast:  # SPECRAY_CPU_QUANT=fast: int8 activations at every row count (quant_fast.c)
+        y = (kernels.quant.fast_gemv(rows, weight.blocks, weight.ggml_type, weight.shape, bias) if rows.shape[0]
+             else rows.new_empty(0, weight.shape[0]))
+    elif kernels is not None and 1 <= rows.shape[0] <= kernels.max_rows:
         y = kernels.quant.gemv(rows, weight.blocks, weight.ggml_type, weight.shape, bias)
     else:
         n, k = weight.shape
@@ -257,7 +260,7 @@ class VocabParallelEmbedding(nn.Module):
         if not isinstance(weight, QuantWeight):
             return F.embedding(ids, weight)
         kernels = cpu_kernels.load_cpu_kernels()  # only the rows looked up are dequantized
-        if kernels is None:
+        if kernels is None or weight.is_fast:
             return weight.rows(ids).reshape(*ids.shape, weight.shape[1])
         rows = weight.blocks[ids.reshape(-1)]
         return kernels.quant.dequantize(rows, weight.ggml_type, (rows.shape[0], weight.shape[1])).reshape(

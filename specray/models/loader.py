@@ -18,7 +18,7 @@ from specray.models.arch import ModelArch, read_arch
 from specray.models.attention import paged_attention
 from specray.models.decoder import CausalLM
 from specray.models.gguf import GGUFReader, arch_from_gguf, is_gguf
-from specray.models.quant_weight import kernel_types
+from specray.models.quant_weight import kernel_types, quant_mode, to_fast_layout
 
 
 def read_model_arch(path: str | Path) -> ModelArch:
@@ -106,4 +106,6 @@ def load_model(path: str | Path, ctx, dtype: str, kernel=paged_attention, keep_b
     model = CausalLM(reader.arch, ctx, torch_dtype, kernel)
     model.load(reader)
     reader.close()
+    if types and quant_mode() == "fast":
+        to_fast_layout(model)
     return model.eval()

@@ -16,6 +16,11 @@ import torch
 from gguf import GGMLQuantizationType
 
 
+FAST_ROWS = 16  # quant_fast.c's output rows per group
+FAST_TYPES = frozenset(int(t) for t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                         GGMLQuantizationType.Q8_0))
+
+
 def _type_name(ggml_type: int) -> str:
     try:
         return GGMLQuantizationType(ggml_type).name
@@ -38,6 +43,16 @@ class QuantGemv:
         self._dequantize.argtypes = [cint, ptr, ptr, i64, i64]
         self._dequantize.restype = cint
         self.max_rows = lib.specray_quant_max_rows()
+        self._fast_gemv = lib.specray_quant_fast_gemv
+        self._fast_gemv.argtypes = [cint] + [ptr] * 4 + [i64] * 3 + [cint]
+        self._fast_gemv.restype = cint
+        self._fast_repack = lib.specray_quant_fast_repack
+        self._fast_repack.argtypes = [cint, ptr, ptr, i64, i64]
+        self._fast_repack.restype = cint
+        self._fast_rows = lib.specray_quant_fast_rows
+        self._fast_rows.argtypes = [cint, ptr, ptr, i64, ptr, i64]
+        self._fast_rows.restype = cint
+        self.has_fast = bool(lib.specray_quant_fast_available())
         self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
 
     def _read_layout(self, ggml_type: int) -> tuple[int, int] | None:
@@ -67,6 +82,53 @@ class QuantGemv:
         if rc:  # _check rules these out; a non-zero code here is a mismatch with the C table
             raise RuntimeError(f"specray_quant_gemv returned {rc} for {_type_name(ggml_type)} {shape}")
         return y
+
+    def has_fast_kernel(self, ggml_type: int) -> bool:
+        """Whether SPECRAY_CPU_QUANT=fast has a kernel for the type on this machine (VNNI)."""
+        return self.has_fast and int(ggml_type) in FAST_TYPES
+
+    def fast_repack(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The GGUF rows ``blocks`` in quant_fast.c's layout (16 output rows interleaved), the same
+        bytes in another order; out_features must be a multiple of FAST_ROWS."""
+        n, k = shape
+        self._check_blocks(blocks, ggml_type, n, k)
+        out = torch.empty_like(blocks)
+        rc = self._fast_repack(int(ggml_type), blocks.data_ptr(), out.data_ptr(), n, k)
+        if rc:
+            raise ValueError(f"no fast layout for {_type_name(ggml_type)} {shape}: it takes Q4_0, Q4_1 or Q8_0 "
+                             f"with out_features a multiple of {FAST_ROWS} (code {rc})")
+        return out
+
+    def fast_gemv(self, x: torch.Tensor, packed: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                  bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` by quant_fast.c's int8 rule, any number of rows, W repacked by
+        ``fast_repack``. Not the float32 path's bits; each row's bits do not depend on the others."""
+        n, k = shape
+        self._check_blocks(packed, ggml_type, n, k)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not x.shape[0]:
+            raise ValueError(f"x must be a float32 CPU tensor [rows >= 1, {k}], not {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        rc = self._fast_gemv(int(ggml_type), x.data_ptr(), packed.data_ptr(),
+                             bias.data_ptr() if bias is not None else None, y.data_ptr(), x.shape[0], n, k,
+                             0 if threads is None else max(int(threads), 1))
+        if rc == -1:
+            raise MemoryError("specray_quant_fast_gemv: could not allocate its scratch")
+        if rc:
+            raise ValueError(f"no fast kernel for {_type_name(ggml_type)} {shape} here (code {rc})")
+        return y
+
+    def fast_rows(self, packed: torch.Tensor, ggml_type: int, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``ids`` of a repacked weight: the dequantized values (an embedding lookup)."""
+        n, k = shape
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise ValueError(f"row ids must be in [0, {n})")
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        rc = self._fast_rows(int(ggml_type), packed.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
+        if rc:
+            raise ValueError(f"no fast layout for {_type_name(ggml_type)} {shape} (code {rc})")
+        return out
 
     def dequantize(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
         """The float32 [n, k] weight ``blocks`` hold: ``gguf.quants.dequantize``'s values, from the

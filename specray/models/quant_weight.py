@@ -20,12 +20,16 @@ Sharding works on whole rows and whole blocks, so it never splits a block:
 
 ``SPECRAY_CPU_QUANT`` picks the mode: unset or ``exact`` keeps the blocks, ``0`` dequantizes
 at load as before. A type without a kernel, or a shard that would split blocks, is loaded as
-float32 with one log line saying why.
+float32 with one log line saying why. ``fast`` keeps them too, then repacks the Q4_0, Q4_1 and
+Q8_0 weights for ``quant_fast.c`` (int8 activations, VNNI: not the float32 path's bits; see
+``to_fast_layout``); other types, and weights whose rows are not whole groups of 16, run the
+exact kernels, with one log line per reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import numpy as np
@@ -34,8 +38,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import nn
 
 from specray.models import cpu_kernels
+from specray.models.quant_kernels import FAST_ROWS
 
-QUANT_MODES = ("exact", "0")
+log = logging.getLogger(__name__)
+
+QUANT_MODES = ("exact", "fast", "0")
+QUANT_FAST_BIT = 1 << 16  # quant_gemv.c's mark on a repacked weight's type
 # every kernel format works on 32 weights at a time (quant_gemv.c's BLOCK_SIZE): GGUF's blocks of
 # 32, and BF16's single weights 32 at a time, so a BF16 weight whose in_features (or shard) is not
 # a multiple of 32 stays float32
@@ -43,8 +51,8 @@ KERNEL_BLOCK_WEIGHTS = 32
 
 
 def quant_mode() -> str:
-    """``SPECRAY_CPU_QUANT``: "exact" (the default: keep GGUF blocks on CPU ranks) or "0"
-    (dequantize at load)."""
+    """``SPECRAY_CPU_QUANT``: "exact" (the default: keep GGUF blocks on CPU ranks), "fast" (keep
+    them, int8 activations where a kernel exists) or "0" (dequantize at load)."""
     mode = os.environ.get("SPECRAY_CPU_QUANT", "exact").strip() or "exact"
     if mode not in QUANT_MODES:
         raise ValueError(f"SPECRAY_CPU_QUANT must be one of {QUANT_MODES} (unset means exact), not {mode!r}")
@@ -56,6 +64,9 @@ class QuantWeight:
     blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, on the CPU
     ggml_type: int
     shape: tuple[int, int]  # (out_features, in_features), as the float32 weight would be
+    # the same bytes in quant_fast.c's order (16 rows interleaved, block by block): a row of
+    # ``blocks`` is then no longer one output row, so slicing goes through the kernels
+    is_fast: bool = False
 
     def __post_init__(self):
         name = GGMLQuantizationType(self.ggml_type).name
@@ -76,12 +87,21 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @property
+    def kernel_type(self) -> int:
+        """The type quant_gemv.c (and the fused layers) take: the GGML type, marked when repacked."""
+        return self.ggml_type | QUANT_FAST_BIT if self.is_fast else self.ggml_type
+
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """float32 rows [start, end) of the weight, as the float32 path loads them."""
+        if self.is_fast:
+            return self.rows(torch.arange(start, self.shape[0] if end is None else end))
         return _dequantize(self.blocks[start:end], self.ggml_type)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` (an embedding lookup), [len(ids), in_features]."""
+        if self.is_fast:  # only built where the kernels are
+            return cpu_kernels.load_cpu_kernels().quant.fast_rows(self.blocks, self.ggml_type, self.shape, ids)
         return _dequantize(self.blocks[ids.reshape(-1)], self.ggml_type)
 
 
@@ -144,3 +164,37 @@ def kernel_types(dtype: torch.dtype, device: torch.device) -> frozenset[int]:
         return frozenset()
     return frozenset(int(t) for t in GGMLQuantizationType if kernels.quant.has_kernel(int(t)))
 
+
+
+def to_fast_layout(model: nn.Module) -> None:
+    """SPECRAY_CPU_QUANT=fast: every QuantWeight of ``model`` that has a fast kernel repacked in
+    place (a tied head stays the embedding's one object); the others keep the exact kernels, with
+    one log line per type or reason. Weight memory does not change: the same bytes, reordered."""
+    kernels = cpu_kernels.load_cpu_kernels()
+    repacked: dict[int, QuantWeight] = {}
+    skipped: dict[str, int] = {}
+    for module in model.modules():
+        for key, value in list(vars(module).items()):
+            if not isinstance(value, QuantWeight) or value.is_fast:
+                continue
+            if id(value) not in repacked:
+                reason = _fast_refusal(kernels, value)
+                if reason:
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                    continue
+                packed = kernels.quant.fast_repack(value.blocks, value.ggml_type, value.shape)
+                repacked[id(value)] = dataclasses.replace(value, blocks=packed, is_fast=True)
+            setattr(module, key, repacked[id(value)])
+    for reason, count in skipped.items():
+        log.info("SPECRAY_CPU_QUANT=fast: %d weights run the exact kernels: %s", count, reason)
+
+
+def _fast_refusal(kernels, weight: QuantWeight) -> str | None:
+    """Why ``weight`` cannot take the fast kernel, or None."""
+    if kernels is None or not kernels.quant.has_fast:
+        return "this CPU has no AVX-512 VNNI (or the kernels are not built)"
+    if not kernels.quant.has_fast_kernel(weight.ggml_type):
+        return f"the fast kernels take Q4_0, Q4_1 and Q8_0, not {weight.type_name}"
+    if weight.shape[0] % FAST_ROWS:
+        return f"out_features is not a multiple of {FAST_ROWS} (the fast layout's rows per group)"
+    return None

@@ -13,7 +13,8 @@
  *
  * Each of the four weights has a GGML type in the layer table: 0 (F32) runs small_gemm on a
  * float32 weight, a quantized type runs quant_gemv.c on its blocks, which gives small_gemm's
- * bits on the dequantized weight, so a model kept in GGUF blocks takes this path unchanged.
+ * bits on the dequantized weight, so a model kept in GGUF blocks takes this path unchanged
+ * (SPECRAY_CPU_QUANT=fast marks its repacked weights' types, and quant_gemv.c hands them on).
  */
 #include <stdint.h>
 #include <stdlib.h>

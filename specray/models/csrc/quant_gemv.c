@@ -184,8 +184,16 @@ int specray_quant_format(int ggml_type, int *block_size, int *block_bytes) {
 /* threads <= 0: one thread for one row below QUANT_PARALLEL_MIN_BYTES of float32 weight, else
  * every thread; otherwise capped at OpenMP's maximum. Returns 0; -1 when M is out of
  * range, -2 for a type without a kernel, -3 when K is not a multiple of the block size. */
+int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
+                            int64_t N, int64_t K, int threads);
+
+/* A type with QUANT_FAST_BIT set is a weight repacked for SPECRAY_CPU_QUANT=fast (quant_fast.c):
+ * the fused decode layers pass their weights' types here, so both modes take one call. */
+#define QUANT_FAST_BIT (1 << 16)
+
 int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int threads) {
+    if (ggml_type & QUANT_FAST_BIT) return specray_quant_fast_gemv(ggml_type & ~QUANT_FAST_BIT, x, w, bias, y, M, N, K, threads);
     if (M < 1 || M > QUANT_MAX_ROWS) return -1;
     const int f = find_format(ggml_type);
     if (f < 0) return -2;

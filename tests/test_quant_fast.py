@@ -1,0 +1,256 @@
+"""``SPECRAY_CPU_QUANT=fast`` (``csrc/quant_fast.c``): int8 activations and VNNI on weights
+repacked 16 rows at a time. Not the float32 path's bits, so the kernel is held to its own rule:
+
+- against a float64 numpy reference of the rule (the same int8 activations and scales, sums
+  without rounding), within the float32 rounding the kernel adds (``rule_bound``);
+- against the exact kernel, within what rounding the activations to int8 can move a sum
+  (``quantization_bound``);
+- deterministic where it matters for speculative decoding: a row's bits do not depend on the
+  other rows or the thread count, so a verify row equals its decode row, and greedy speculative
+  decoding equals plain decoding in this mode too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+from kernel_build import built_kernels
+from test_quant_gemv import random_blocks
+from test_quant_model import _step
+from test_weight_memory import held_bytes
+
+from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
+from specray.comm.context import DistContext
+from specray.models import cpu_kernels
+from specray.models.loader import load_model
+from specray.models.presets import resolve_model
+from specray.models.quant_weight import QuantWeight, quantized_weights
+
+FAST = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+U = 2.0 ** -24  # float32's unit roundoff
+ROWS = [*range(1, 10), 16, 33]  # 33: past the exact kernel's 32 rows, which this one has no limit at
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = built_kernels()
+    if not k.quant.has_fast:
+        pytest.skip("this CPU has no AVX-512 VNNI: SPECRAY_CPU_QUANT=fast runs the exact kernels here")
+    return k
+
+
+def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rule's activations in float32 as the kernel computes them: per block of 32, q =
+    rint(x * (127 / amax)) and da = amax / 127 (q = 0 where amax = 0)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def rule_terms(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
+    """[rows, n, blocks, 2] float64: each block's two terms of the rule, dw da dot and mw da sq
+    (0 but for Q4_1), from the blocks' own d, m and quants, unrounded."""
+    q, da = int8_activations(x)
+    n = blocks.shape[0]
+    b = blocks.reshape(n, q.shape[1], -1)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if ggml_type == QType.Q4_1 else 0 * d
+    if ggml_type == QType.Q8_0:
+        wq = b[..., 2:].view(np.int8).astype(np.float64)
+    else:
+        nib = b[..., -16:]
+        wq = np.concatenate([nib & 15, nib >> 4], -1).astype(np.float64) - (8 if ggml_type == QType.Q4_0 else 0)
+    dot = np.einsum("nbi,rbi->rnb", wq, q)
+    sq = q.sum(-1)  # [rows, blocks]
+    return np.stack([d * da[:, None, :] * dot, m * (da * sq)[:, None, :]], -1)
+
+
+def rule_bound(terms: np.ndarray) -> np.ndarray:
+    """float32 roundings of the kernel: the scale product, Q4_1's da * sq, and one rounding per
+    fused multiply-add into the sum (two per block): (2 blocks + 4) u times the sum of |terms|."""
+    return (2 * terms.shape[-2] + 4) * U * np.abs(terms).sum((-1, -2))
+
+
+def quantization_bound(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
+    """|fast - exact| <= sum over blocks of (da / 2 + 4 u amax) * sum |w|: rounding x * 127 / amax to
+    an integer moves each activation by at most da / 2, and the float32 scale and reciprocal
+    add a few u of amax; plus both kernels' float32 sums (K u sum |w x| for the exact one)."""
+    _, da = int8_activations(x)
+    w = np.abs(quants.dequantize(blocks, ggml_type).astype(np.float64))
+    n, k = w.shape
+    amax = np.abs(x.reshape(x.shape[0], -1, 32)).max(-1)
+    per_block = w.reshape(n, k // 32, 32).sum(-1)  # [n, blocks]
+    rounding = (da / 2 + 4 * U * amax) @ per_block.T
+    return rounding + k * U * (np.abs(x) @ w.T) * 2 + 1e-30
+
+
+def activations(k: int, rows: int, seed: int) -> torch.Tensor:
+    """Random rows, one all zero (amax = 0), one of ties (x * 127 / amax = j + 1/2 exactly) and one
+    whose blocks span 2^-20 to 2^20."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    if rows > 2:
+        x[1] = 0
+        ties = (torch.arange(k) % 32 - 16).float() + 0.5
+        ties[::32] = 127.0  # amax 127: the scale is 1, so x * 1 lands on halves
+        x[2] = ties
+    if rows > 3:
+        x[3] *= 2.0 ** ((torch.arange(k) // 32) % 41 - 20).float()
+    return x
+
+
+@pytest.mark.parametrize("ggml_type", FAST, ids=lambda t: t.name)
+@pytest.mark.parametrize("k_blocks", [1, 3, 18, 48])
+def test_fast_gemv_follows_its_rule(ggml_type, k_blocks, kernels):
+    n, k = 48, 32 * k_blocks
+    blocks = random_blocks(ggml_type, n, k, seed=k_blocks * 7 + int(ggml_type))
+    packed = kernels.quant.fast_repack(torch.from_numpy(blocks), ggml_type, (n, k))
+    x = activations(k, max(ROWS), seed=k_blocks)
+    terms = rule_terms(x.numpy(), blocks, ggml_type)
+    expected, bound = terms.sum((-1, -2)), rule_bound(terms)
+    exact = kernels.quant.gemv(x[:32], torch.from_numpy(blocks), ggml_type, (n, k)).numpy()
+    q_bound = quantization_bound(x[:32].numpy(), blocks, ggml_type)
+    alone = torch.cat([kernels.quant.fast_gemv(x[i:i + 1], packed, ggml_type, (n, k), threads=1)
+                       for i in range(x.shape[0])])
+    for rows in ROWS:
+        for threads in (1, 2):
+            got = kernels.quant.fast_gemv(x[:rows], packed, ggml_type, (n, k), threads=threads)
+            assert torch.equal(got, alone[:rows]), (ggml_type.name, rows, threads)  # a row's bits are its own
+    err = np.abs(alone.numpy().astype(np.float64) - expected)
+    assert (err <= bound).all(), (ggml_type.name, float((err - bound).max()))
+    assert (np.abs(alone[:32].numpy() - exact) <= q_bound).all()
+    assert (alone[1] == 0).all() and (alone[0] != 0).any()  # amax = 0 gives 0, not nan
+
+
+def test_the_quantization_bound_is_tight_enough_to_mean_something(kernels):
+    # the bound against the exact kernel must not be so loose that any answer passes: the real
+    # difference uses a good part of it, and a kernel that skipped a block would break it
+    n, k, t = 48, 576, QType.Q4_1
+    blocks = random_blocks(t, n, k, seed=5)
+    packed = kernels.quant.fast_repack(torch.from_numpy(blocks), t, (n, k))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
+    got = kernels.quant.fast_gemv(x, packed, t, (n, k)).numpy()
+    exact = kernels.quant.gemv(x, torch.from_numpy(blocks), t, (n, k)).numpy()
+    bound = quantization_bound(x.numpy(), blocks, t)
+    assert np.abs(got - exact).max() > 0.01 * bound.max()
+    dropped = x.clone()
+    dropped[:, :32] = 0  # the first block's contribution missing
+    skipped = kernels.quant.gemv(dropped, torch.from_numpy(blocks), t, (n, k)).numpy()
+    assert (np.abs(skipped - exact) > bound).any()
+
+
+@pytest.mark.parametrize("ggml_type", FAST, ids=lambda t: t.name)
+def test_bias_and_the_repacked_rows(ggml_type, kernels):
+    n, k = 1536, 576  # past the one-thread size: both threads split the groups
+    blocks = random_blocks(ggml_type, n, k, seed=int(ggml_type))
+    w = torch.from_numpy(blocks)
+    packed = kernels.quant.fast_repack(w, ggml_type, (n, k))
+    assert packed.shape == w.shape and not torch.equal(packed, w)
+    if ggml_type != QType.Q8_0:  # the same bytes, reordered (Q8_0's quants also get +128)
+        assert torch.equal(packed.flatten().sort().values, w.flatten().sort().values)
+    ids = torch.tensor([0, 15, 16, 1535, 700, 0])
+    assert torch.equal(kernels.quant.fast_rows(packed, ggml_type, (n, k), ids),
+                       torch.from_numpy(quants.dequantize(blocks[ids.numpy()], ggml_type)))
+    gen = torch.Generator().manual_seed(1)
+    bias, x = torch.randn(n, generator=gen), torch.randn(3, k, generator=gen)
+    plain = kernels.quant.fast_gemv(x, packed, ggml_type, (n, k))
+    assert torch.equal(kernels.quant.fast_gemv(x, packed, ggml_type, (n, k), bias=bias), plain + bias)
+
+
+def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
+    blocks = torch.from_numpy(random_blocks(QType.Q4_1, 40, 64, seed=0))
+    with pytest.raises(ValueError, match=r"no fast layout for Q4_1 \(40, 64\).*multiple of 16"):
+        kernels.quant.fast_repack(blocks, QType.Q4_1, (40, 64))
+    q5 = torch.from_numpy(random_blocks(QType.Q5_0, 16, 64, seed=0))
+    with pytest.raises(ValueError, match=r"no fast layout for Q5_0"):
+        kernels.quant.fast_repack(q5, QType.Q5_0, (16, 64))
+    assert not kernels.quant.has_fast_kernel(QType.BF16) and kernels.quant.has_fast_kernel(QType.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def fast_model(kernels):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+        mp.setenv("SPECRAY_CPU_QUANT", "fast")
+        return load_model(resolve_model("smollm2-135m"), DistContext.single(), "float32")
+
+
+def test_the_shipped_file_is_repacked_in_place(fast_model, kernels, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", "exact")
+    exact = load_model(resolve_model("smollm2-135m"), DistContext.single(), "float32")
+    weights = quantized_weights(fast_model)
+    assert len(weights) == 121 and all(w.is_fast for w in weights)  # 120 Q4_1 layer weights, the Q8_0 embedding
+    assert fast_model.lm_head.weight is fast_model.embed_tokens.weight  # the tied head: one repacked copy
+    assert held_bytes(fast_model) == held_bytes(exact)  # the same bytes, reordered
+    ids = torch.tensor([[0, 7, 49151]])
+    assert torch.equal(fast_model.embed_tokens(ids), exact.embed_tokens(ids))  # lookups stay exact
+    hidden = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
+    fast, ref = fast_model.lm_head(hidden), exact.lm_head(hidden)  # the head on the fast kernel, within its bound
+    bound = quantization_bound(hidden.numpy(), exact.lm_head.weight.blocks.numpy(), QType.Q8_0)
+    assert not torch.equal(fast, ref) and (np.abs((fast - ref).numpy()) <= bound).all()
+
+
+def test_a_verify_row_gets_the_decode_steps_bits_in_fast_mode(fast_model, kernels, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
+    pools = [torch.zeros(6, 2, fast_model.num_local_kv_heads, block_size, 64)
+             for _ in range(fast_model.arch.num_layers)]
+    _step(fast_model, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
+    ids = torch.randint(0, 49152, (8,), generator=gen)
+    decode = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
+    for rows in (2, 4, 6, 8):
+        verify = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])
+        assert torch.equal(verify[:1], decode), rows
+    torch.set_num_threads(1)
+    try:
+        one_thread = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
+    finally:
+        torch.set_num_threads(2)
+    assert torch.equal(one_thread, decode)
+
+
+def test_speculative_decoding_is_lossless_in_fast_mode(monkeypatch):
+    # verification compares the target's own greedy choice at each row, and each row's bits are
+    # the decode step's: n-gram drafting gives plain decoding's tokens, with drafts accepted
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", "fast")
+    prompts = ["def fibonacci(n):", "List three colours: red, green, blue. Again: red, green,"]
+    params = SamplingParams(max_tokens=40)
+    kv = KVConfig(tokens_per_block=16, capacity_tokens=2048)
+    with LLM(EngineConfig(model="smollm2-135m", kv=kv)) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = SpecConfig(method="ngram", num_draft_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    with LLM(EngineConfig(model="smollm2-135m", kv=kv, spec=spec)) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert max(o.metrics["acceptance_length"] for o in outs) > 1.2
+
+
+def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, caplog, monkeypatch):
+    from checkpoints import make_checkpoint
+    from gguf_files import write_gguf
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.ffn_down.weight": QType.Q5_1 for i in range(2)}
+    types.update({f"blk.{i}.ffn_{p}.weight": QType.Q4_0 for i in range(2) for p in ("gate", "up")})
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    monkeypatch.setenv("SPECRAY_CPU_QUANT", "fast")
+    with caplog.at_level(logging.INFO, logger="specray.models.quant_weight"):
+        model = load_model(path, DistContext.single(), "float32")
+    assert [r.getMessage() for r in caplog.records] == [
+        "SPECRAY_CPU_QUANT=fast: 2 weights run the exact kernels: the fast kernels take Q4_0, Q4_1 and Q8_0, not Q5_1"]
+    assert isinstance(model.layers[0].mlp.gate_up.weight, QuantWeight) and model.layers[0].mlp.gate_up.weight.is_fast
+    assert not model.layers[1].mlp.down.weight.is_fast
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        y = model.layers[0].mlp(x)
+    assert torch.isfinite(y).all() and y.abs().max() > 0
