@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.models.cpu_kernels import load_cpu_kernels
+from specray.models.quant_kernels import FAST_ROWS
 
 SHAPES = {  # [out, in]
     "smollm2 qkv": (960, 576),
@@ -110,8 +111,10 @@ def bench(rows_list, threads_list, rounds: int, footprint: int, read: int, plans
 
 
 # SmolLM2's layer shapes as its shipped GGUF file holds them: Q4_1 layers, the Q8_0 embedding (the tied LM head)
-QUANT_SHAPES = {"smollm2 q / o": (576, 576, "Q4_1"), "smollm2 gate / up": (1536, 576, "Q4_1"),
-                "smollm2 down": (576, 1536, "Q4_1"), "smollm2 lm head": (49152, 576, "Q8_0")}
+# the fused weights the model runs (q/k/v and gate/up are one weight each since the fused layers)
+QUANT_SHAPES = {"smollm2 qkv": (960, 576, "Q4_1"), "smollm2 o": (576, 576, "Q4_1"),
+                "smollm2 gate_up": (3072, 576, "Q4_1"), "smollm2 down": (576, 1536, "Q4_1"),
+                "smollm2 lm head": (49152, 576, "Q8_0")}
 
 
 def random_blocks(ggml_type, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -127,7 +130,8 @@ def random_blocks(ggml_type, n: int, k: int, gen: torch.Generator) -> torch.Tens
 
 def bench_quant(rows_list, threads_list, rounds: int, footprint: int, read: int) -> list[dict]:
     """GB/s of quantized bytes read by the block-quantized GEMV against small_gemm on the same
-    weight in float32 (GB/s of its float32 bytes), and their time ratio, alternating per round."""
+    weight in float32 (GB/s of its float32 bytes), and their time ratio, alternating per round;
+    where the type has one, also SPECRAY_CPU_QUANT=fast's kernel on the same blocks ("fast")."""
     from gguf import GGMLQuantizationType, quants
 
     kernels = load_cpu_kernels()
@@ -142,12 +146,17 @@ def bench_quant(rows_list, threads_list, rounds: int, footprint: int, read: int)
         more_f32, more_quant = (max(1, -(-footprint // size) - 1) for size in (n * k * 4, first.numel()))
         copies = {"f32": [dense] + [dense.clone() for _ in range(more_f32)],
                   "quant": [first] + [random_blocks(qtype, n, k, gen) for _ in range(more_quant)]}
+        has_fast = kernels.quant.has_fast_kernel(qtype) and n % FAST_ROWS == 0
+        if has_fast:  # SPECRAY_CPU_QUANT=fast's kernel on the same blocks, repacked
+            copies["fast"] = [kernels.quant.fast_repack(c, qtype, (n, k)) for c in copies["quant"]]
         for rows in rows_list:
             x = torch.randn(rows, k, generator=gen)
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 fs = {"f32": lambda x, w: kernels.small_gemm(x, w, None),
                       "quant": lambda x, w: kernels.quant.gemv(x, w, qtype, (n, k))}
+                if has_fast:
+                    fs["fast"] = lambda x, w: kernels.quant.fast_gemv(x, w, qtype, (n, k))
                 best, turn = dict.fromkeys(fs, 0.0), 0
                 for _ in range(rounds):
                     for name, f in fs.items():
@@ -157,8 +166,9 @@ def bench_quant(rows_list, threads_list, rounds: int, footprint: int, read: int)
                 results.append({"shape": shape_name, "type": type_name, "n": n, "k": k, "rows": rows,
                                 "threads": threads, "gbps": {m: round(v, 2) for m, v in best.items()},
                                 "f32_time_over_quant_time": round(ratio, 2)})
+                fast = f", fast {best['fast']:6.1f} GB/s" if has_fast else ""
                 print(f"{shape_name:18s} {type_name:5s} rows {rows:2d} thr {threads}: f32 {best['f32']:6.1f} GB/s, "
-                      f"quant {best['quant']:6.1f} GB/s of blocks, f32 time / quant time {ratio:5.2f}", flush=True)
+                      f"quant {best['quant']:6.1f} GB/s of blocks{fast}, f32 time / quant time {ratio:5.2f}", flush=True)
         del copies
     torch.set_num_threads(saved)
     return results

@@ -33,6 +33,7 @@ from specray.models.quant_weight import QuantWeight, quantized_weights
 
 FAST = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
 U = 2.0 ** -24  # float32's unit roundoff
+ETA = 2.0 ** -150  # and its absolute rounding error in the subnormal range
 ROWS = [*range(1, 10), 16, 33]  # 33: past the exact kernel's 32 rows, which this one has no limit at
 
 
@@ -46,9 +47,10 @@ def kernels():
 
 def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rule's activations in float32 as the kernel computes them: per block of 32, q =
-    rint(x * (127 / amax)) and da = amax / 127 (q = 0 where amax = 0)."""
+    rint(x * (127 / amax)) and da = amax / 127 (q = 0 and da = 0 where amax <= 2^-120)."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
     amax = np.abs(blocks).max(-1)
+    amax = np.where(amax > np.float32(2.0 ** -120), amax, np.float32(0))  # tiny blocks quantize to 0
     safe = np.where(amax > 0, amax, np.float32(1))
     inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
@@ -57,7 +59,8 @@ def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def rule_terms(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
     """[rows, n, blocks, 2] float64: each block's two terms of the rule, dw da dot and mw da sq
-    (0 but for Q4_1), from the blocks' own d, m and quants, unrounded."""
+    (0 but for Q4_1), from the blocks' own d, m and quants, unrounded; and [rows, n] the sum of
+    |dot| + |mw| over blocks (rule_bound's subnormal part)."""
     q, da = int8_activations(x)
     n = blocks.shape[0]
     b = blocks.reshape(n, q.shape[1], -1)
@@ -70,31 +73,39 @@ def rule_terms(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarra
         wq = np.concatenate([nib & 15, nib >> 4], -1).astype(np.float64) - (8 if ggml_type == QType.Q4_0 else 0)
     dot = np.einsum("nbi,rbi->rnb", wq, q)
     sq = q.sum(-1)  # [rows, blocks]
-    return np.stack([d * da[:, None, :] * dot, m * (da * sq)[:, None, :]], -1)
+    terms = np.stack([d * da[:, None, :] * dot, m * (da * sq)[:, None, :]], -1)
+    # what an absolute rounding error (a subnormal result) of dw * da and of da * sq is multiplied by
+    subnormal_gain = (np.abs(dot) + np.abs(m)).sum(-1)
+    return terms, subnormal_gain
 
 
-def rule_bound(terms: np.ndarray) -> np.ndarray:
+def rule_bound(terms: np.ndarray, subnormal_gain: np.ndarray) -> np.ndarray:
     """float32 roundings of the kernel: the scale product, Q4_1's da * sq, and one rounding per
-    fused multiply-add into the sum (two per block): (2 blocks + 4) u times the sum of |terms|."""
-    return (2 * terms.shape[-2] + 4) * U * np.abs(terms).sum((-1, -2))
+    fused multiply-add into the sum (two per block), each within u of its result or, where the
+    result is subnormal, ETA absolute: (2 blocks + 4) u times the sum of |terms|, plus ETA times
+    what the scale roundings are multiplied by and once per fused multiply-add."""
+    roundings = 2 * terms.shape[-2] + 4
+    return roundings * (U * np.abs(terms).sum((-1, -2)) + ETA) + ETA * subnormal_gain
 
 
 def quantization_bound(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
     """|fast - exact| <= sum over blocks of (da / 2 + 4 u amax) * sum |w|: rounding x * 127 / amax to
     an integer moves each activation by at most da / 2, and the float32 scale and reciprocal
-    add a few u of amax; plus both kernels' float32 sums (K u sum |w x| for the exact one)."""
+    add a few u of amax (a block the rule drops, amax <= 2^-120, moves by amax); plus both
+    kernels' float32 sums (K u sum |w x| for the exact one)."""
     _, da = int8_activations(x)
     w = np.abs(quants.dequantize(blocks, ggml_type).astype(np.float64))
     n, k = w.shape
     amax = np.abs(x.reshape(x.shape[0], -1, 32)).max(-1)
     per_block = w.reshape(n, k // 32, 32).sum(-1)  # [n, blocks]
-    rounding = (da / 2 + 4 * U * amax) @ per_block.T
-    return rounding + k * U * (np.abs(x) @ w.T) * 2 + 1e-30
+    moved = np.where(da > 0, da / 2 + 4 * U * amax, amax)  # a block below 2^-120 is dropped whole
+    rounding = moved @ per_block.T
+    return rounding + k * (U * (np.abs(x) @ w.T) + ETA) * 2
 
 
 def activations(k: int, rows: int, seed: int) -> torch.Tensor:
-    """Random rows, one all zero (amax = 0), one of ties (x * 127 / amax = j + 1/2 exactly) and one
-    whose blocks span 2^-20 to 2^20."""
+    """Random rows, one all zero (amax = 0), one of ties (x * 127 / amax = j + 1/2 exactly), one
+    whose blocks span 2^-20 to 2^20 and one of blocks near and below the rule's 2^-120."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen)
     if rows > 2:
@@ -104,6 +115,8 @@ def activations(k: int, rows: int, seed: int) -> torch.Tensor:
         x[2] = ties
     if rows > 3:
         x[3] *= 2.0 ** ((torch.arange(k) // 32) % 41 - 20).float()
+    if rows > 4:  # blocks of subnormals and of values just around 2^-120: 127 / amax must not overflow
+        x[4] *= torch.where(torch.arange(k) // 32 % 2 == 0, 2.0 ** -140, 2.0 ** -119.5)
     return x
 
 
@@ -114,8 +127,8 @@ def test_fast_gemv_follows_its_rule(ggml_type, k_blocks, kernels):
     blocks = random_blocks(ggml_type, n, k, seed=k_blocks * 7 + int(ggml_type))
     packed = kernels.quant.fast_repack(torch.from_numpy(blocks), ggml_type, (n, k))
     x = activations(k, max(ROWS), seed=k_blocks)
-    terms = rule_terms(x.numpy(), blocks, ggml_type)
-    expected, bound = terms.sum((-1, -2)), rule_bound(terms)
+    terms, subnormal_gain = rule_terms(x.numpy(), blocks, ggml_type)
+    expected, bound = terms.sum((-1, -2)), rule_bound(terms, subnormal_gain)
     exact = kernels.quant.gemv(x[:32], torch.from_numpy(blocks), ggml_type, (n, k)).numpy()
     q_bound = quantization_bound(x[:32].numpy(), blocks, ggml_type)
     alone = torch.cat([kernels.quant.fast_gemv(x[i:i + 1], packed, ggml_type, (n, k), threads=1)
@@ -128,6 +141,7 @@ def test_fast_gemv_follows_its_rule(ggml_type, k_blocks, kernels):
     assert (err <= bound).all(), (ggml_type.name, float((err - bound).max()))
     assert (np.abs(alone[:32].numpy() - exact) <= q_bound).all()
     assert (alone[1] == 0).all() and (alone[0] != 0).any()  # amax = 0 gives 0, not nan
+    assert torch.isfinite(alone).all()
 
 
 def test_the_quantization_bound_is_tight_enough_to_mean_something(kernels):

@@ -4,7 +4,8 @@
  * number of rows or threads, so a verify row equals its decode row.
  *
  * The rule, per row of x and block b of 32 (as llama.cpp's Q8_1 activations, with a float32 scale):
- *   da = amax / 127, q = rint(x * (127 / amax)) (0 when amax = 0), sq = sum(q)
+ *   da = amax / 127, q = rint(x * (127 / amax)), sq = sum(q); a block with amax <= 2^-120
+ *   (0, or so small that 127 / amax would overflow) has da = 0 and q = 0
  *   Q8_0: dot = sum((w + 128) * q) - 128 sq     (vpdpbusd takes unsigned weights)
  *   Q4_0: dot = sum(nibble * q) - 8 sq
  *   Q4_1: dot = sum(nibble * q)
@@ -30,6 +31,8 @@
 
 #define FAST_ROWS 16 /* output rows per group: one 512-bit vector of int32 or float lanes */
 #define FAST_PASS 4 /* rows of x per pass over a group's blocks, their accumulators in registers */
+#define FAST_MIN_AMAX 0x1p-120f /* below this 127 / amax overflows or nearly: the block quantizes to 0 */
+#define FAST_STACK_BYTES (32 * 1024) /* the int8 rows up to this size live on the caller's stack */
 /* One row of x takes one thread below this many bytes of weight: from memory (200 copies cycled,
  * Q4_1, K = 576, 2026-12-06) one and two threads took the same time at 45 KiB, two were 3% faster
  * at 68 KiB and 18% at 338 KiB. */
@@ -120,10 +123,28 @@ typedef struct {
 } act_blocks;
 
 static void quantize_row(const float *x, int64_t K, act_blocks a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* the same rule in vectors: vcvtps2dq rounds half to even as rintf does (the default MXCSR) */
+    for (int64_t b = 0; b < K / BLOCK_SIZE; ++b) {
+        const __m512 lo = _mm512_loadu_ps(x + b * BLOCK_SIZE), hi = _mm512_loadu_ps(x + b * BLOCK_SIZE + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float kept = amax > FAST_MIN_AMAX ? amax : 0.0f;
+        const __m512 id = _mm512_set1_ps(kept > 0.0f ? 127.0f / kept : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+        _mm_storeu_si128((__m128i *)(a.q + b * BLOCK_SIZE), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(a.q + b * BLOCK_SIZE + 16), _mm512_cvtsepi32_epi8(qhi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        a.da[b] = kept / 127.0f;
+        a.sq[b] = sum;
+        a.s[b] = a.da[b] * (float)sum;
+    }
+    return;
+#endif
     for (int64_t b = 0; b < K / BLOCK_SIZE; ++b) {
         const float *xb = x + b * BLOCK_SIZE;
         float amax = 0.0f;
         for (int t = 0; t < BLOCK_SIZE; ++t) amax = __builtin_fmaxf(amax, __builtin_fabsf(xb[t]));
+        if (!(amax > FAST_MIN_AMAX)) amax = 0.0f;
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int t = 0; t < BLOCK_SIZE; ++t) {
@@ -223,7 +244,9 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
     if (K % BLOCK_SIZE || N % FAST_ROWS) return -3;
     if (M < 1) return -1;
     const int64_t blocks = K / BLOCK_SIZE;
-    act_blocks *a = malloc(M * (sizeof(act_blocks) + K + blocks * (2 * sizeof(float) + sizeof(int32_t))));
+    const size_t need = M * (sizeof(act_blocks) + K + blocks * (2 * sizeof(float) + sizeof(int32_t)));
+    uint64_t on_stack[need <= FAST_STACK_BYTES ? (need + 7) / 8 : 1]; /* a decode step's rows: no malloc */
+    act_blocks *a = need <= FAST_STACK_BYTES ? (act_blocks *)on_stack : malloc(need);
     if (!a) return -1;
     int8_t *q = (int8_t *)(a + M);
     float *da = (float *)(q + M * K), *s = da + M * blocks;
@@ -241,6 +264,6 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
     else if (f == Q4_0) fast_Q4_0(a, w, bias, y, M, N, K, threads);
     else fast_Q4_1(a, w, bias, y, M, N, K, threads);
 #endif
-    free(a);
+    if (need > FAST_STACK_BYTES) free(a);
     return 0;
 }
