@@ -1,6 +1,6 @@
 """The GGUF both engines of ``bench_vs_llamacpp`` load (``--weights``): the built-in model's
 file as it ships (``shipped``, Q4_1 with a Q8_0 embedding) or requantized by llama.cpp itself
-(``q8_0``, ``bf16``, ``q4_0``, ``f32``), or a random-weight preset written as llama.cpp's converter writes
+(``q8_0``, ``bf16``, ``q4_0``, ``q4_k_m``, ``f32``), or a random-weight preset written as llama.cpp's converter writes
 it (F32) and requantized from there. Made once, under ``$SPECRAY_CACHE/anchors/``, each under a
 temporary name then renamed, so an interrupted run leaves no half-written file."""
 
@@ -18,7 +18,7 @@ from specray.models.presets import resolve_model
 
 
 WEIGHTS = {"f32": "LLAMA_FTYPE_ALL_F32", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
-           "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+           "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 """``--weights`` other than ``shipped``: llama.cpp's file type each is requantized to."""
 
 

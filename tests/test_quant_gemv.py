@@ -155,14 +155,18 @@ def test_the_format_table(kernels):
     for ggml_type, (block_bytes, _) in LAYOUTS.items():  # the C table agrees with gguf's
         assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type] == (32, block_bytes)
     assert kernels.quant.block_layout(QType.BF16) == (32, 64)  # 32 weights at a time (GGUF: 1 weight, 2 bytes)
-    assert not kernels.quant.has_kernel(QType.Q4_K)
+    for ggml_type in K_QUANTS:  # super-blocks of 256, as gguf says
+        assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type]
+    assert not kernels.quant.has_kernel(QType.Q5_K)
 
 
 def test_bad_input_names_the_rule(kernels):
     q = kernels.quant
     blocks = torch.from_numpy(random_blocks(QType.Q4_1, 4, 64, seed=0))
     x = torch.randn(1, 64)
-    with pytest.raises(ValueError, match="no quantized CPU kernel for Q4_K"):
+    with pytest.raises(ValueError, match="no quantized CPU kernel for Q5_K"):
+        q.gemv(x, blocks, QType.Q5_K, (4, 64))
+    with pytest.raises(ValueError, match="multiple of the block size 256"):
         q.gemv(x, blocks, QType.Q4_K, (4, 64))
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         q.gemv(torch.randn(1, 48), blocks, QType.Q4_1, (4, 48))
@@ -174,3 +178,56 @@ def test_bad_input_names_the_rule(kernels):
         q.gemv(torch.randn(33, 64), blocks, QType.Q4_1, (4, 64))
     with pytest.raises(ValueError, match="contiguous uint8"):
         q.gemv(x, blocks.float(), QType.Q4_1, (4, 64))
+
+
+# The K-quants: super-blocks of 256 weights (Q4_K: fp16 d and dmin, 12 bytes of 6-bit scales and
+# mins, 128 bytes of nibbles; Q6_K: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales,
+# fp16 d), taken 32 weights at a time. K = 256, 512, 1536.
+K_QUANTS = {QType.Q4_K: (0, 2), QType.Q6_K: (208,)}  # where each block's fp16 scales sit
+
+
+def random_k_blocks(ggml_type: QType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random K-quant blocks: random bytes (every nibble, 2-bit and 6-bit value, Q6_K's int8 scales
+    -128..127), random_halves' fp16 scales (zero and subnormal among them), and in row 1 the
+    edge cases: d = 0 in its first block; Q6_K's scales all -128 in its second."""
+    gen = np.random.default_rng(seed)
+    _, block_bytes = quants.GGML_QUANT_SIZES[ggml_type]
+    blocks = gen.integers(0, 256, (n, k // 256, block_bytes), dtype=np.uint8)
+    for offset in K_QUANTS[ggml_type]:
+        blocks[..., offset:offset + 2] = random_halves(gen, n * (k // 256)).view(np.uint8).reshape(n, k // 256, 2)
+    blocks[1, 0, K_QUANTS[ggml_type][0]:K_QUANTS[ggml_type][0] + 2] = 0  # d = 0
+    if ggml_type == QType.Q6_K and k >= 512:
+        blocks[1, 1, 192:208] = 0x80  # every scale -128
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", list(K_QUANTS), ids=lambda t: t.name)
+@pytest.mark.parametrize("k_super", [1, 2, 6])
+def test_k_quant_gemv_is_small_gemm_on_the_dequantized_weight(ggml_type, k_super, kernels):
+    n, k = 37, 256 * k_super
+    blocks = random_k_blocks(ggml_type, n, k, seed=k_super * 10 + int(ggml_type))
+    gen = torch.Generator().manual_seed(k_super)
+    x_all = torch.randn(max(ROWS), k, generator=gen)
+    w = torch.from_numpy(blocks)
+    weight = quants.dequantize(blocks, ggml_type)
+    assert np.isfinite(weight).all()
+    dense = kernels.quant.dequantize(w, ggml_type, (n, k))  # prefill's panels: gguf's values exactly
+    assert torch.equal(dense, torch.from_numpy(weight.astype(np.float32)))
+    for rows in ROWS:
+        x = x_all[:rows]
+        expected = reference(kernels, x, blocks, ggml_type)
+        for threads in (1, 2):
+            got = kernels.quant.gemv(x, w, ggml_type, (n, k), threads=threads)
+            assert torch.equal(got, expected), (ggml_type.name, rows, k, threads)
+
+
+def test_the_k_quant_edge_cases_are_in_the_blocks():
+    q4 = quants.dequantize(random_k_blocks(QType.Q4_K, 4, 512, seed=1), QType.Q4_K)
+    assert len(np.unique(q4[1, :32])) == 1  # d = 0: the sub-block is -dmin * m alone, one value
+    q6_blocks = random_k_blocks(QType.Q6_K, 4, 512, seed=1)
+    q6 = quants.dequantize(q6_blocks, QType.Q6_K)
+    assert (q6[1, :256] == 0).all()  # d = 0
+    assert (q6_blocks.reshape(4, 2, 210)[1, 1, 192:208].view(np.int8) == -128).all() and q6[1, 256:].any()
+    scales = np.concatenate([random_k_blocks(t, 37, 1536, seed=3).reshape(37, 6, -1)[..., o:o + 2]
+                             .copy().view(np.float16).ravel() for t, offs in K_QUANTS.items() for o in offs])
+    assert (scales == 0).any() and ((np.abs(scales) > 0) & (np.abs(scales) < 2.0 ** -14)).any()

@@ -206,7 +206,7 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    types = {f"blk.{i}.ffn_down.weight": QType.Q4_K for i in range(2)}  # no quantized kernel (yet)
+    types = {f"blk.{i}.ffn_down.weight": QType.Q5_K for i in range(2)}  # no quantized kernel (yet)
     types.update({"blk.0.ffn_up.weight": QType.Q8_0, "blk.0.ffn_gate.weight": QType.Q8_0,
                   "blk.1.attn_output.weight": QType.Q4_1, "token_embd.weight": QType.Q4_0,
                   "output.weight": QType.Q8_0, "blk.1.attn_q.weight": QType.Q4_1, "blk.1.attn_k.weight": QType.Q4_1,
@@ -215,7 +215,7 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
         quant = _load(path, "exact", monkeypatch)
     assert [r.getMessage() for r in caplog.records] == [
-        "no quantized CPU kernel for Q4_K: its tensors are dequantized to float32 at load",
+        "no quantized CPU kernel for Q5_K: its tensors are dequantized to float32 at load",
         "fused weights of mixed types (Q4_1, Q4_1, Q8_0) are dequantized to float32 at load"]
     assert isinstance(quant.layers[1].self_attn.qkv.weight, torch.Tensor)
     assert isinstance(quant.layers[0].mlp.down.weight, torch.Tensor)
@@ -224,6 +224,22 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     assert quant.embed_tokens.weight.type_name == "Q4_0" and quant.lm_head.weight.type_name == "Q8_0"
     dense = _load(path, "0", monkeypatch)
     _assert_prefill_and_decode_equal(quant, dense)
+
+
+def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
+    # a Q4_K_M-style mix (Q4_K layers, Q6_K down and embedding): every weight kept in its super-blocks,
+    # prefill (the panels) and the fused decode step bit for bit the dequantized model's
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
+    types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
+    types["token_embd.weight"] = QType.Q6_K
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    quant = _load(path, "exact", monkeypatch)
+    held = {w.type_name for w in quantized_weights(quant)}
+    assert held == {"Q4_K", "Q6_K"} and len(quantized_weights(quant)) == 2 * 4 + 1
+    _assert_prefill_and_decode_equal(quant, _load(path, "0", monkeypatch))
 
 
 def test_a_bad_quant_mode_is_refused(monkeypatch):

@@ -54,16 +54,54 @@ static inline bytes16 load16(const uint8_t *p) {
 /* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out.
  * BF16 has no blocks in GGUF (one weight, 2 bytes); its "block" here is 32 weights, 64 bytes, so
  * the driver takes it when K is a multiple of 32 (the loader keeps float32 otherwise). */
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16 };
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, Q4_K, Q6_K };
 
-/* The table of formats: GGML type id (ggml.h's enum ggml_type) and bytes per block of BLOCK_SIZE
- * weights; how each dequantizes is dequantize() (or dequantize8()) below, its driver in quant_gemv.c. */
+/* The table of formats: GGML type id (ggml.h's enum ggml_type), bytes per block as stored and the
+ * weights it holds (32, or a K-quant's super-block of 256); the kernels take 32 weights at a time
+ * (chunk c of a super-block: weights 32c .. 32c + 31); how each dequantizes is dequantize() (or
+ * dequantize8()) below, its driver in quant_gemv.c. */
 #define BLOCK_SIZE 32
 static const struct {
-    int ggml_type, block_bytes;
-} FORMATS[] = {[Q8_0] = {8, 34}, [Q4_0] = {2, 18}, [Q4_1] = {3, 20}, [Q5_0] = {6, 22}, [Q5_1] = {7, 24},
-               [BF16] = {30, 64}};
+    int ggml_type, block_bytes, block_weights;
+} FORMATS[] = {[Q8_0] = {8, 34, 32}, [Q4_0] = {2, 18, 32}, [Q4_1] = {3, 20, 32}, [Q5_0] = {6, 22, 32},
+               [Q5_1] = {7, 24, 32}, [BF16] = {30, 64, 32}, [Q4_K] = {12, 144, 256}, [Q6_K] = {14, 210, 256}};
 #define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
+
+/* Q4_K's 6-bit scale and min of sub-block j (gguf.quants.Q4_K.get_scale_min): 12 bytes, the
+ * high two bits of sub-blocks 4-7 kept in the top bits of bytes 0-7. */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* The K-quants, chunk c of a super-block, as gguf.quants does it in float32:
+ *   Q4_K: (d * sc) * q - dmin * m, d * sc and dmin * m exact (11 x 6 bits), (d * sc) * q exact
+ *         (17 x 4 bits): one rounding, fma(q, d * sc, -(dmin * m)) rounds it the same;
+ *         sub-block c's nibbles: the low (c even) or high (c odd) halves of bytes 32 (c / 2) ..
+ *   Q6_K: (d * sc) * (q - 32) with sc int8 per 16 weights: d * sc exact (11 x 8 bits), the
+ *         product with a 6-bit q rounds once, here too; q's low 4 bits from ql, top 2 from qh. */
+static inline void kquant_chunk(int FMT, const uint8_t *b, int c, float out[BLOCK_SIZE]) {
+    if (FMT == Q4_K) {
+        int sc, m;
+        q4k_scale_min(b + 4, c, &sc, &m);
+        const float dsc = half_to_float(b) * (float)sc, dm = half_to_float(b + 2) * (float)m;
+        const uint8_t *qs = b + 16 + 32 * (c / 2);
+        for (int i = 0; i < BLOCK_SIZE; ++i) out[i] = __builtin_fmaf((float)((qs[i] >> (4 * (c % 2))) & 15), dsc, -dm);
+    } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d */
+        const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
+        const int ql_shift = 4 * ((c % 4) / 2), qh_shift = 2 * (c % 4);
+        const float d = half_to_float(b + 208);
+        for (int i = 0; i < BLOCK_SIZE; ++i) {
+            const int q = (((ql[i] >> ql_shift) & 15) | (((qh[i] >> qh_shift) & 3) << 4)) - 32;
+            out[i] = (d * (float)(int8_t)b[192 + 2 * c + i / 16]) * (float)q;
+        }
+    }
+}
 
 #if defined(__AVX512F__)
 /* 16 bytes to 16 int32 lanes (exact): GCC 12 widens a byte vector lane by lane (vpinsrd,
@@ -91,6 +129,37 @@ static inline __attribute__((always_inline)) void nibbles_from_table(const uint8
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
     *lo = (vec)_mm512_permutexvar_ps(q, table);
     *hi = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+
+/* The K-quants in vectors, the same operations as kquant_chunk (so the same bits). */
+static inline __attribute__((always_inline)) void dequantize_k(int FMT, const uint8_t *b, int c, vec *lo, vec *hi) {
+    if (FMT == Q4_K) { /* the sub-block's 16 values, then each nibble picks one (as Q4_1) */
+        int sc, m;
+        q4k_scale_min(b + 4, c, &sc, &m);
+        const float dsc = half_to_float(b) * (float)sc, dm = half_to_float(b + 2) * (float)m;
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc), _mm512_set1_ps(-dm));
+        const uint8_t *qs = b + 16 + 32 * (c / 2);
+        __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+        if (c % 2) {
+            q0 = _mm512_srli_epi32(q0, 4);
+            q1 = _mm512_srli_epi32(q1, 4);
+        }
+        *lo = (vec)_mm512_permutexvar_ps(q0, table);
+        *hi = (vec)_mm512_permutexvar_ps(q1, table);
+        return;
+    }
+    const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
+    const int ql_shift = 4 * ((c % 4) / 2), qh_shift = 2 * (c % 4);
+    const float d = half_to_float(b + 208);
+    for (int half = 0; half < 2; ++half) {
+        const ivec l = unsigned_to_ivec(load16(ql + 16 * half)), h = unsigned_to_ivec(load16(qh + 16 * half));
+        const ivec q = (((l >> ql_shift) & 15) | (((h >> qh_shift) & 3) << 4)) - 32;
+        const vec w = __builtin_convertvector(q, vec) * (d * (float)(int8_t)b[192 + 2 * c + half]);
+        if (half) *hi = w;
+        else *lo = w;
+    }
 }
 
 static inline __attribute__((always_inline)) void dequantize(int FMT, const uint8_t *b, vec *lo, vec *hi) {
@@ -150,6 +219,9 @@ static inline half_ivec widen8_s(const uint8_t *p) { sbytes8 v; memcpy(&v, p, 8)
 #endif
 
 static inline __attribute__((always_inline)) void dequantize8(int FMT, const uint8_t *b, half_vec w[4]) {
+    if (FMT == Q4_K || FMT == Q6_K) { /* not reached: the K-quants go through dequantize8_k */
+        return;
+    }
     if (FMT == BF16) { /* the top 16 bits of a float32: exact */
         typedef uint16_t u16x8 __attribute__((vector_size(16)));
         for (int i = 0; i < 4; ++i) {
@@ -181,6 +253,13 @@ static inline __attribute__((always_inline)) void dequantize8(int FMT, const uin
         const float m = half_to_float(b + 2);
         for (int i = 0; i < 4; ++i) w[i] = __builtin_convertvector(q[i], half_vec) * d + m;
     }
+}
+
+/* The K-quants on machines without AVX-512: kquant_chunk's scalar values (the same bits), by quarters. */
+static inline void dequantize8_k(int FMT, const uint8_t *b, int c, half_vec w[4]) {
+    float out[BLOCK_SIZE];
+    kquant_chunk(FMT, b, c, out);
+    for (int i = 0; i < 4; ++i) memcpy(&w[i], out + 8 * i, sizeof w[i]);
 }
 
 #endif

@@ -48,15 +48,21 @@ static inline __attribute__((always_inline)) void quant_rows(
         int64_t n, int64_t N, int64_t K) {
     vec acc[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS];
     const uint8_t *wr[QUANT_MAX_COLUMNS];
-    const int64_t row_bytes = (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
+    const int64_t bytes = FORMATS[FMT].block_bytes, per_block = FORMATS[FMT].block_weights;
+    const int64_t row_bytes = (K / per_block) * bytes;
     for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * row_bytes;
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) acc[m][c] = (vec){0};
     const uint8_t *next = w + (n + C) * row_bytes;
-    for (int64_t k = 0, at = 0; k < K; k += BLOCK_SIZE, at += FORMATS[FMT].block_bytes) {
-        prefetch_next_pass(next, C * at, C * FORMATS[FMT].block_bytes);
+    for (int64_t k = 0; k < K; k += BLOCK_SIZE) {
+        const int64_t at = k / per_block * bytes; /* the block (or super-block) holding weight k */
+        const int chunk = (int)(k % per_block / BLOCK_SIZE);
+        if (!chunk) prefetch_next_pass(next, C * at, C * bytes);
         vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
-        for (int c = 0; c < C; ++c) dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
+        for (int c = 0; c < C; ++c) {
+            if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, wr[c] + at, chunk, &lo[c], &hi[c]);
+            else dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
+        }
         for (int m = 0; m < M; ++m) {
             const vec xl = load(x + m * K + k), xh = load(x + m * K + k + LANES);
             for (int c = 0; c < C; ++c) {
@@ -78,15 +84,21 @@ static inline __attribute__((always_inline)) void quant_rows(
      * and 8-15 add the same products in the same order, and half_lane_sum(lo + hi) is lane_sum */
     half_vec lo[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS], hi[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS];
     const uint8_t *wr[QUANT_MAX_COLUMNS];
-    const int64_t row_bytes = (K / BLOCK_SIZE) * FORMATS[FMT].block_bytes;
+    const int64_t bytes = FORMATS[FMT].block_bytes, per_block = FORMATS[FMT].block_weights;
+    const int64_t row_bytes = (K / per_block) * bytes;
     for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * row_bytes;
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) lo[m][c] = hi[m][c] = (half_vec){0};
     const uint8_t *next = w + (n + C) * row_bytes;
-    for (int64_t k = 0, at = 0; k < K; k += BLOCK_SIZE, at += FORMATS[FMT].block_bytes) {
-        prefetch_next_pass(next, C * at, C * FORMATS[FMT].block_bytes);
+    for (int64_t k = 0; k < K; k += BLOCK_SIZE) {
+        const int64_t at = k / per_block * bytes;
+        const int chunk = (int)(k % per_block / BLOCK_SIZE);
+        if (!chunk) prefetch_next_pass(next, C * at, C * bytes);
         half_vec wq[QUANT_MAX_COLUMNS][4];
-        for (int c = 0; c < C; ++c) dequantize8(FMT, wr[c] + at, wq[c]);
+        for (int c = 0; c < C; ++c) {
+            if (FMT == Q4_K || FMT == Q6_K) dequantize8_k(FMT, wr[c] + at, chunk, wq[c]);
+            else dequantize8(FMT, wr[c] + at, wq[c]);
+        }
         for (int m = 0; m < M; ++m) {
             const float *xm = x + m * K + k;
             const half_vec x0 = load_half(xm), x1 = load_half(xm + 8), x2 = load_half(xm + 16), x3 = load_half(xm + 24);
@@ -157,12 +169,13 @@ static inline int columns_for(int64_t M) {
             default: PASS(FMT, 1); break;                                                                     \
         }                                                                                                     \
     }
-DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1) DRIVER(BF16)
+DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1) DRIVER(BF16) DRIVER(Q4_K) DRIVER(Q6_K)
 
 typedef void (*quant_fn)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int);
 
 static const quant_fn DRIVERS[] = {[Q8_0] = gemv_Q8_0, [Q4_0] = gemv_Q4_0, [Q4_1] = gemv_Q4_1,
-                                   [Q5_0] = gemv_Q5_0, [Q5_1] = gemv_Q5_1, [BF16] = gemv_BF16};
+                                   [Q5_0] = gemv_Q5_0, [Q5_1] = gemv_Q5_1, [BF16] = gemv_BF16,
+                                   [Q4_K] = gemv_Q4_K, [Q6_K] = gemv_Q6_K};
 
 static int find_format(int ggml_type) {
     for (int i = 0; i < NUM_FORMATS; ++i)
@@ -176,7 +189,7 @@ int specray_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 int specray_quant_format(int ggml_type, int *block_size, int *block_bytes) {
     const int f = find_format(ggml_type);
     if (f < 0) return -2;
-    *block_size = BLOCK_SIZE;
+    *block_size = FORMATS[f].block_weights;
     *block_bytes = FORMATS[f].block_bytes;
     return 0;
 }
@@ -197,7 +210,7 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
     if (M < 1 || M > QUANT_MAX_ROWS) return -1;
     const int f = find_format(ggml_type);
     if (f < 0) return -2;
-    if (K % BLOCK_SIZE) return -3;
+    if (K % FORMATS[f].block_weights) return -3;
     const int all = omp_get_max_threads();
     if (threads <= 0) {
         /* on the float32 weight's size, as small_gemm: the time goes into dequantizing and
@@ -215,40 +228,46 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
  * rows split over threads. Returns 0; -2 for a type without a kernel, -3 when K is not a
  * multiple of the block size. */
 #if defined(__AVX512F__)
-#define DEQUANTIZE_BLOCK(FMT, b, o)          \
-    do {                                     \
-        vec lo, hi;                          \
-        dequantize(FMT, b, &lo, &hi);        \
-        memcpy(o, &lo, sizeof lo);           \
-        memcpy(o + LANES, &hi, sizeof hi);   \
+#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                                  \
+    do {                                                                    \
+        vec lo, hi;                                                         \
+        if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, b, chunk, &lo, &hi); \
+        else dequantize(FMT, b, &lo, &hi);                                  \
+        memcpy(o, &lo, sizeof lo);                                          \
+        memcpy(o + LANES, &hi, sizeof hi);                                  \
     } while (0)
 #else
-#define DEQUANTIZE_BLOCK(FMT, b, o)                                              \
+#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                                       \
     do {                                                                         \
         half_vec q[4];                                                           \
-        dequantize8(FMT, b, q);                                                  \
+        if (FMT == Q4_K || FMT == Q6_K) dequantize8_k(FMT, b, chunk, q);         \
+        else dequantize8(FMT, b, q);                                             \
         for (int i = 0; i < 4; ++i) memcpy(o + i * LANES / 2, &q[i], sizeof q[i]); \
     } while (0)
 #endif
-#define DEQUANTIZER(FMT)                                                                           \
-    static void dequantize_##FMT(const uint8_t *w, float *out, int64_t N, int64_t K) {             \
-        const int64_t blocks = K / BLOCK_SIZE, bytes = FORMATS[FMT].block_bytes;                   \
-        _Pragma("omp parallel for schedule(static)")                                               \
-        for (int64_t n = 0; n < N; ++n)                                                            \
-            for (int64_t b = 0; b < blocks; ++b)                                                   \
-                DEQUANTIZE_BLOCK(FMT, w + (n * blocks + b) * bytes, out + n * K + b * BLOCK_SIZE); \
+#define DEQUANTIZER(FMT)                                                                             \
+    static void dequantize_##FMT(const uint8_t *w, float *out, int64_t N, int64_t K) {               \
+        const int64_t per_block = FORMATS[FMT].block_weights, bytes = FORMATS[FMT].block_bytes;      \
+        const int64_t row_bytes = K / per_block * bytes;                                             \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t n = 0; n < N; ++n)                                                              \
+            for (int64_t k = 0; k < K; k += BLOCK_SIZE)                                              \
+                DEQUANTIZE_BLOCK(FMT, w + n * row_bytes + k / per_block * bytes,                     \
+                                 (int)(k % per_block / BLOCK_SIZE), out + n * K + k);                \
     }
 DEQUANTIZER(Q8_0) DEQUANTIZER(Q4_0) DEQUANTIZER(Q4_1) DEQUANTIZER(Q5_0) DEQUANTIZER(Q5_1) DEQUANTIZER(BF16)
+DEQUANTIZER(Q4_K) DEQUANTIZER(Q6_K)
 
 typedef void (*dequantize_fn)(const uint8_t *, float *, int64_t, int64_t);
 static const dequantize_fn DEQUANTIZERS[] = {[Q8_0] = dequantize_Q8_0, [Q4_0] = dequantize_Q4_0,
                                              [Q4_1] = dequantize_Q4_1, [Q5_0] = dequantize_Q5_0,
-                                             [Q5_1] = dequantize_Q5_1, [BF16] = dequantize_BF16};
+                                             [Q5_1] = dequantize_Q5_1, [BF16] = dequantize_BF16,
+                                             [Q4_K] = dequantize_Q4_K, [Q6_K] = dequantize_Q6_K};
 
 int specray_quant_dequantize(int ggml_type, const uint8_t *w, float *out, int64_t N, int64_t K) {
     const int f = find_format(ggml_type);
     if (f < 0) return -2;
-    if (K % BLOCK_SIZE) return -3;
+    if (K % FORMATS[f].block_weights) return -3;
     DEQUANTIZERS[f](w, out, N, K);
     return 0;
 }
