@@ -31,7 +31,7 @@ from specray.models.attention import build_metadata
 from specray.models.gguf import open_gguf
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
-from specray.models.quant_weight import QuantWeight, quant_mode, quantized_weights
+from specray.models.quant_weight import FusedQuantWeight, QuantWeight, quant_mode, quantized_weights
 
 NEW_TOKENS = 64
 BOUND = 1.1
@@ -202,7 +202,8 @@ def test_greedy_tokens_and_logprobs_equal_the_float32_path(tp, block_size, monke
     assert quant == dense
 
 
-def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog, monkeypatch):
+def test_a_type_without_a_kernel_falls_back_to_float32_and_mixed_parts_stay_in_blocks(kernels, tmp_path, caplog,
+                                                                                      monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -210,14 +211,14 @@ def test_a_type_without_a_kernel_falls_back_to_float32(kernels, tmp_path, caplog
     types.update({"blk.0.ffn_up.weight": QType.Q8_0, "blk.0.ffn_gate.weight": QType.Q8_0,
                   "blk.1.attn_output.weight": QType.Q4_1, "token_embd.weight": QType.Q4_0,
                   "output.weight": QType.Q8_0, "blk.1.attn_q.weight": QType.Q4_1, "blk.1.attn_k.weight": QType.Q4_1,
-                  "blk.1.attn_v.weight": QType.Q8_0})  # q/k/v of two types: one fused weight, float32
+                  "blk.1.attn_v.weight": QType.Q8_0})  # q/k/v of two types: each part in its own blocks
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
     with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
         quant = _load(path, "exact", monkeypatch)
     assert [r.getMessage() for r in caplog.records] == [
-        "no quantized CPU kernel for Q5_K: its tensors are dequantized to float32 at load",
-        "fused weights of mixed types (Q4_1, Q4_1, Q8_0) are dequantized to float32 at load"]
-    assert isinstance(quant.layers[1].self_attn.qkv.weight, torch.Tensor)
+        "no quantized CPU kernel for Q5_K: its tensors are dequantized to float32 at load"]
+    qkv = quant.layers[1].self_attn.qkv.weight
+    assert isinstance(qkv, FusedQuantWeight) and [p.type_name for p in qkv.parts] == ["Q4_1", "Q4_1", "Q8_0"]
     assert isinstance(quant.layers[0].mlp.down.weight, torch.Tensor)
     assert isinstance(quant.layers[0].mlp.gate_up.weight, QuantWeight)
     assert isinstance(quant.layers[1].self_attn.o_proj.weight, QuantWeight)
@@ -234,11 +235,13 @@ def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
     types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
-    types["token_embd.weight"] = QType.Q6_K
+    types.update({"token_embd.weight": QType.Q6_K, "blk.0.attn_v.weight": QType.Q6_K, "blk.1.ffn_up.weight": QType.Q6_K})
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
     quant = _load(path, "exact", monkeypatch)
     held = {w.type_name for w in quantized_weights(quant)}
-    assert held == {"Q4_K", "Q6_K"} and len(quantized_weights(quant)) == 2 * 4 + 1
+    assert held == {"Q4_K", "Q6_K"} and len(quantized_weights(quant)) == 2 * 4 + 1 + 3  # + the mixed parts
+    assert isinstance(quant.layers[0].self_attn.qkv.weight, FusedQuantWeight)  # v apart, as llama.cpp's Q4_K_M
+    assert isinstance(quant.layers[1].mlp.gate_up.weight, FusedQuantWeight)
     _assert_prefill_and_decode_equal(quant, _load(path, "0", monkeypatch))
 
 

@@ -27,9 +27,11 @@ import torch
 
 from specray.models.attention import AttentionMetadata, step_plan
 from specray.models.cpu_kernels import CpuKernels, kernels_for
-from specray.models.quant_weight import QuantWeight
+from specray.models.quant_weight import FusedQuantWeight, QuantWeight
 
-NUM_LAYER_PTRS = 13  # the order of fused_layer.c's layer enum: 9 addresses, then 4 weights' GGML types
+# the order of fused_layer.c's layer enum: 9 addresses, 4 weights' GGML types, then the further
+# parts of a fused q/k/v or gate/up whose parts have different types (FusedQuantWeight)
+NUM_LAYER_PTRS = 22
 
 
 def fused_layers_enabled() -> bool:
@@ -37,19 +39,36 @@ def fused_layers_enabled() -> bool:
     return os.environ.get("SPECRAY_CPU_FUSED_LAYERS", "1").strip() != "0"
 
 
-def _addr(t: torch.Tensor | QuantWeight | None) -> int:
+def _addr(t: torch.Tensor | QuantWeight | FusedQuantWeight | None) -> int:
+    if isinstance(t, FusedQuantWeight):
+        t = t.parts[0]
     if isinstance(t, QuantWeight):
         return t.blocks.data_ptr()
     return t.data_ptr() if t is not None else 0
 
 
-def _ggml_type(weight: torch.Tensor | QuantWeight) -> int:
+def _ggml_type(weight: torch.Tensor | QuantWeight | FusedQuantWeight) -> int:
     """fused_layer.c's weight type: 0 (GGML's F32) for a float32 tensor, else the blocks' type
-    (marked when repacked for SPECRAY_CPU_QUANT=fast)."""
+    (marked when repacked for SPECRAY_CPU_QUANT=fast); a fused weight's first part's."""
+    if isinstance(weight, FusedQuantWeight):
+        weight = weight.parts[0]
     return weight.kernel_type if isinstance(weight, QuantWeight) else 0
 
 
-def _is_served(kernels: CpuKernels, weight: torch.Tensor | QuantWeight) -> bool:
+def _more_parts(weight, count: int) -> list[int]:
+    """fused_layer.c's columns for the parts after the first of a fused weight of ``count``
+    parts at most: the rows of each part but the last, then each further part's address and
+    type; zeros where the weight is one part."""
+    if not isinstance(weight, FusedQuantWeight):
+        return [0] * (3 * count - 3)
+    parts = list(weight.parts)
+    rows = [p.shape[0] for p in parts[:-1]]
+    return rows + [v for p in parts[1:] for v in (_addr(p), _ggml_type(p))]
+
+
+def _is_served(kernels: CpuKernels, weight: torch.Tensor | QuantWeight | FusedQuantWeight) -> bool:
+    if isinstance(weight, FusedQuantWeight):
+        return all(_is_served(kernels, p) for p in weight.parts)
     if isinstance(weight, QuantWeight):
         return kernels.quant.has_fast_kernel(weight.ggml_type) if weight.is_fast else kernels.quant.has_kernel(
             weight.ggml_type)
@@ -69,7 +88,8 @@ def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
         weights = (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down.weight)
         rows.append([_addr(layer.input_layernorm.weight), _addr(attn.qkv.weight), _addr(attn.qkv.bias),
                      _addr(attn.o_proj.weight), _addr(attn.o_proj.bias), _addr(layer.post_attention_layernorm.weight),
-                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool), *map(_ggml_type, weights)])
+                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool), *map(_ggml_type, weights),
+                     *_more_parts(attn.qkv.weight, 3), *_more_parts(mlp.gate_up.weight, 2)])
     table = torch.tensor(rows, dtype=torch.int64)
     model._fused_layer_table = (key, table)
     return table

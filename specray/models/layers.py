@@ -25,7 +25,7 @@ from torch import nn
 from specray.comm.group import Group
 from specray.models import cpu_kernels
 from specray.models.cpu_kernels import kernels_for
-from specray.models.quant_weight import QuantWeight, concat_rows, padded_rows, set_weight
+from specray.models.quant_weight import FusedQuantWeight, QuantWeight, fused_rows, padded_rows, set_weight
 
 PANEL_ROWS = 2048  # a QuantWeight's output rows dequantized at a time past the GEMV's rows (prefill)
 
@@ -49,9 +49,17 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 # and beyond them this function on PANEL_ROWS rows of the weight dequantized at a time.
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight | FusedQuantWeight,
+           bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, QuantWeight):
         return _quant_linear(x, weight, bias)
+    if isinstance(weight, FusedQuantWeight):  # parts of different types, side by side
+        outs, start = [], 0
+        for part in weight.parts:
+            end = start + part.shape[0]
+            outs.append(_quant_linear(x, part, None if bias is None else bias[start:end]))
+            start = end
+        return torch.cat(outs, dim=-1)
     kernels = kernels_for(x, weight) if x.dim() == 2 else None
     if kernels is not None and x.shape[1] == weight.shape[1] and x.shape[0] >= 1:
         if bias is None or kernels_for(bias) is not None:
@@ -82,20 +90,17 @@ def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | Non
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _read_rows(reader, parts: list[tuple[str, int, int]]) -> QuantWeight | None:
-    """The fused rows [start, start + size) of each (name, start, size) part in GGUF blocks, or
-    None where the reader has no blocks for one of them or the parts' types differ."""
+def _read_rows(reader, parts: list[tuple[str, int, int]]) -> QuantWeight | FusedQuantWeight | None:
+    """The fused rows [start, start + size) of each (name, start, size) part in GGUF blocks (one
+    weight where the parts share a type; llama.cpp's mixes quantize v, or up, apart: then each
+    part in its own), or None where the reader has no blocks for one of them."""
     read_blocks = getattr(reader, "read_blocks", None)
     if read_blocks is None:
         return None
     blocks = [read_blocks(f"{name}.weight", 0, start, start + size) for name, start, size in parts]
     if any(b is None for b in blocks):
         return None
-    if len({b.ggml_type for b in blocks}) != 1:  # llama.cpp's mixes quantize v (or up) apart
-        reader.log_once(f"fused weights of mixed types ({', '.join(b.type_name for b in blocks)}) are dequantized "
-                        f"to float32 at load")
-        return None
-    return concat_rows(blocks)
+    return fused_rows(blocks)
 
 
 class RMSNorm(nn.Module):

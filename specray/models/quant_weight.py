@@ -110,6 +110,37 @@ def _dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FusedQuantWeight:
+    """Fused projections whose parts have different types (llama.cpp's mixes quantize v, or up,
+    apart): each part keeps its own blocks; the output is the parts' outputs side by side."""
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError(f"a fused weight takes 2 or more parts of one in_features, not "
+                             f"{[p.shape for p in self.parts]}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def fused_rows(parts: list[QuantWeight]) -> QuantWeight | FusedQuantWeight:
+    """Fused projections (q/k/v, gate/up): one QuantWeight where the parts share a type, else
+    the parts side by side."""
+    if len({p.ggml_type for p in parts}) == 1:
+        return concat_rows(parts)
+    return FusedQuantWeight(parts=tuple(parts))
+
+
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Fused projections (q/k/v, gate/up): the parts' rows one after another, one type for all."""
     types = {p.ggml_type for p in parts}
@@ -148,8 +179,9 @@ def quantized_weights(model: nn.Module) -> list[QuantWeight]:
     seen: dict[int, QuantWeight] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantWeight):
-                seen[id(value)] = value
+            for weight in value.parts if isinstance(value, FusedQuantWeight) else (value,):
+                if isinstance(weight, QuantWeight):
+                    seen[id(weight)] = weight
     return list(seen.values())
 
 
@@ -173,18 +205,25 @@ def to_fast_layout(model: nn.Module) -> None:
     kernels = cpu_kernels.load_cpu_kernels()
     repacked: dict[int, QuantWeight] = {}
     skipped: dict[str, int] = {}
+    def fast(weight: QuantWeight) -> QuantWeight:
+        if weight.is_fast:
+            return weight
+        if id(weight) not in repacked:
+            reason = _fast_refusal(kernels, weight)
+            if reason:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                repacked[id(weight)] = weight
+            else:
+                packed = kernels.quant.fast_repack(weight.blocks, weight.ggml_type, weight.shape)
+                repacked[id(weight)] = dataclasses.replace(weight, blocks=packed, is_fast=True)
+        return repacked[id(weight)]
+
     for module in model.modules():
         for key, value in list(vars(module).items()):
-            if not isinstance(value, QuantWeight) or value.is_fast:
-                continue
-            if id(value) not in repacked:
-                reason = _fast_refusal(kernels, value)
-                if reason:
-                    skipped[reason] = skipped.get(reason, 0) + 1
-                    continue
-                packed = kernels.quant.fast_repack(value.blocks, value.ggml_type, value.shape)
-                repacked[id(value)] = dataclasses.replace(value, blocks=packed, is_fast=True)
-            setattr(module, key, repacked[id(value)])
+            if isinstance(value, QuantWeight):
+                setattr(module, key, fast(value))
+            elif isinstance(value, FusedQuantWeight):
+                setattr(module, key, FusedQuantWeight(parts=tuple(map(fast, value.parts))))
     for reason, count in skipped.items():
         log.info("SPECRAY_CPU_QUANT=fast: %d weights run the exact kernels: %s", count, reason)
 

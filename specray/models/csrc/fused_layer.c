@@ -32,9 +32,14 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
                              int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block_size, int64_t dim,
                              float scale, int causal, float *out);
 
-/* One layer's tensors, as addresses (NULL: no such bias), then its weights' GGML types. */
+/* One layer's tensors, as addresses (NULL: no such bias), then its weights' GGML types; then
+ * the further parts of a fused weight whose parts have different types (llama.cpp's mixes
+ * quantize v, or up, apart): QKV_N1 the rows of q/k/v's first part (0: one part, the rest
+ * unused), QKV_N2 of its second, its second and third parts' addresses and types; the same
+ * for gate/up's two. */
 enum { INPUT_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, DOWN_W, POOL,
-       QKV_T, O_T, GATE_UP_T, DOWN_T, NUM_LAYER_PTRS };
+       QKV_T, O_T, GATE_UP_T, DOWN_T,
+       QKV_N1, QKV_N2, QKV_W2, QKV_T2, QKV_W3, QKV_T3, GATE_UP_N1, GATE_UP_W2, GATE_UP_T2, NUM_LAYER_PTRS };
 /* The step's shape. */
 enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SEQS, WIDTH, CAUSAL, NUM_SHAPE };
 /* The step's metadata, as addresses: cos, sin [ROWS, HEAD_DIM] float; the rest int64. */
@@ -75,6 +80,37 @@ static int gemm(int64_t type, const float *x, int64_t w, const float *bias, floa
     return specray_quant_gemv((int)type, x, (const uint8_t *)(intptr_t)w, bias, y, M, N, K, 0);
 }
 
+/* A fused weight in up to three parts (w, t, rows): one gemm where it is one part; else each
+ * part into scratch, then its columns of y (+ its slice of the bias). */
+static int gemm_parts(const int64_t *w, const int64_t *t, const int64_t *rows, int parts, const float *x,
+                      const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    if (parts == 1) return gemm(t[0], x, w[0], bias, y, M, N, K);
+    float *part = malloc(sizeof(float) * M * N);
+    if (!part) return -1;
+    int rc = 0;
+    for (int i = 0, start = 0; i < parts && !rc; start += rows[i], ++i) {
+        rc = gemm(t[i], x, w[i], bias ? bias + start : NULL, part, M, rows[i], K);
+        for (int64_t m = 0; m < M && !rc; ++m)
+            for (int64_t n = 0; n < rows[i]; ++n) y[m * N + start + n] = part[m * rows[i] + n];
+    }
+    free(part);
+    return rc;
+}
+
+static int qkv_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t n1 = layer[QKV_N1], n2 = layer[QKV_N2];
+    const int64_t w[3] = {layer[QKV_W], layer[QKV_W2], layer[QKV_W3]}, t[3] = {layer[QKV_T], layer[QKV_T2], layer[QKV_T3]};
+    const int64_t rows[3] = {n1, n2, N - n1 - n2};
+    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 3 : 1, x, F(layer[QKV_B]), y, M, N, K);
+}
+
+static int gate_up_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t n1 = layer[GATE_UP_N1];
+    const int64_t w[2] = {layer[GATE_UP_W], layer[GATE_UP_W2]}, t[2] = {layer[GATE_UP_T], layer[GATE_UP_T2]};
+    const int64_t rows[2] = {n1, N - n1};
+    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 2 : 1, x, NULL, y, M, N, K);
+}
+
 static void add_delta(float *x, const float *delta, const float *bias, int64_t rows, int64_t hidden) {
     if (!delta) return;
     for (int64_t r = 0; r < rows; ++r)
@@ -95,7 +131,7 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    int rc = gemm(layer[QKV_T], h, layer[QKV_W], F(layer[QKV_B]), qkv, M, qkv_size, H);
+    int rc = qkv_gemm(layer, h, qkv, M, qkv_size, H);
     TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
@@ -125,7 +161,7 @@ int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, flo
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[POST_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    int rc = gemm(layer[GATE_UP_T], h, layer[GATE_UP_W], NULL, gate_up, M, 2 * I, H);
+    int rc = gate_up_gemm(layer, h, gate_up, M, 2 * I, H);
     TOCK(P_GATE_UP);
     if (!rc) {
         specray_silu_mul(gate_up, act, M, I);

@@ -131,14 +131,31 @@ static inline __attribute__((always_inline)) void nibbles_from_table(const uint8
     *hi = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }
 
-/* The K-quants in vectors, the same operations as kquant_chunk (so the same bits). */
-static inline __attribute__((always_inline)) void dequantize_k(int FMT, const uint8_t *b, int c, vec *lo, vec *hi) {
+/* A K-quant super-block's scales, once per super-block and row (the driver keeps them for its 8
+ * chunks): Q4_K's 8 sub-blocks' d * sc and -(dmin * m); Q6_K's 16 sub-blocks' d * sc. */
+#define KQUANT_SCALES 16
+static inline void kquant_scales(int FMT, const uint8_t *b, float scale[KQUANT_SCALES], float offset[KQUANT_SCALES]) {
+    if (FMT == Q4_K) {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            q4k_scale_min(b + 4, j, &sc, &m);
+            scale[j] = d * (float)sc;
+            offset[j] = -(dmin * (float)m);
+        }
+    } else {
+        const float d = half_to_float(b + 208);
+        for (int j = 0; j < 16; ++j) scale[j] = d * (float)(int8_t)b[192 + j];
+    }
+}
+
+/* The K-quants in vectors, chunk c with its super-block's kquant_scales: the same operations
+ * as kquant_chunk (so the same bits). */
+static inline __attribute__((always_inline)) void dequantize_k(int FMT, const uint8_t *b, int c, const float *scale,
+                                                               const float *offset, vec *lo, vec *hi) {
     if (FMT == Q4_K) { /* the sub-block's 16 values, then each nibble picks one (as Q4_1) */
-        int sc, m;
-        q4k_scale_min(b + 4, c, &sc, &m);
-        const float dsc = half_to_float(b) * (float)sc, dm = half_to_float(b + 2) * (float)m;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc), _mm512_set1_ps(-dm));
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(scale[c]), _mm512_set1_ps(offset[c]));
         const uint8_t *qs = b + 16 + 32 * (c / 2);
         __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
         __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
@@ -150,13 +167,16 @@ static inline __attribute__((always_inline)) void dequantize_k(int FMT, const ui
         *hi = (vec)_mm512_permutexvar_ps(q1, table);
         return;
     }
+    /* Q6_K: q assembled in 16 bytes (128-bit ops are one cheap instruction each), widened once */
     const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
     const int ql_shift = 4 * ((c % 4) / 2), qh_shift = 2 * (c % 4);
-    const float d = half_to_float(b + 208);
     for (int half = 0; half < 2; ++half) {
-        const ivec l = unsigned_to_ivec(load16(ql + 16 * half)), h = unsigned_to_ivec(load16(qh + 16 * half));
-        const ivec q = (((l >> ql_shift) & 15) | (((h >> qh_shift) & 3) << 4)) - 32;
-        const vec w = __builtin_convertvector(q, vec) * (d * (float)(int8_t)b[192 + 2 * c + half]);
+        const __m128i l = _mm_loadu_si128((const __m128i *)(ql + 16 * half));
+        const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * half));
+        const __m128i low = _mm_and_si128(_mm_srl_epi16(l, _mm_cvtsi32_si128(ql_shift)), _mm_set1_epi8(15));
+        const __m128i top = _mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(qh_shift)), _mm_set1_epi8(3));
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+        const vec w = signed_to_vec((sbytes16)q) * scale[2 * c + half];
         if (half) *hi = w;
         else *lo = w;
     }

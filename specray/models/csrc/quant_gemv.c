@@ -54,13 +54,16 @@ static inline __attribute__((always_inline)) void quant_rows(
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) acc[m][c] = (vec){0};
     const uint8_t *next = w + (n + C) * row_bytes;
+    float scale[QUANT_MAX_COLUMNS][KQUANT_SCALES], offset[QUANT_MAX_COLUMNS][KQUANT_SCALES]; /* K-quants only */
     for (int64_t k = 0; k < K; k += BLOCK_SIZE) {
         const int64_t at = k / per_block * bytes; /* the block (or super-block) holding weight k */
         const int chunk = (int)(k % per_block / BLOCK_SIZE);
         if (!chunk) prefetch_next_pass(next, C * at, C * bytes);
+        if ((FMT == Q4_K || FMT == Q6_K) && !chunk)
+            for (int c = 0; c < C; ++c) kquant_scales(FMT, wr[c] + at, scale[c], offset[c]);
         vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
         for (int c = 0; c < C; ++c) {
-            if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, wr[c] + at, chunk, &lo[c], &hi[c]);
+            if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, wr[c] + at, chunk, scale[c], offset[c], &lo[c], &hi[c]);
             else dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
         }
         for (int m = 0; m < M; ++m) {
@@ -228,13 +231,18 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
  * rows split over threads. Returns 0; -2 for a type without a kernel, -3 when K is not a
  * multiple of the block size. */
 #if defined(__AVX512F__)
-#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                                  \
-    do {                                                                    \
-        vec lo, hi;                                                         \
-        if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, b, chunk, &lo, &hi); \
-        else dequantize(FMT, b, &lo, &hi);                                  \
-        memcpy(o, &lo, sizeof lo);                                          \
-        memcpy(o + LANES, &hi, sizeof hi);                                  \
+#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                          \
+    do {                                                            \
+        vec lo, hi;                                                 \
+        if (FMT == Q4_K || FMT == Q6_K) {                           \
+            float scale[KQUANT_SCALES], offset[KQUANT_SCALES];      \
+            kquant_scales(FMT, b, scale, offset);                   \
+            dequantize_k(FMT, b, chunk, scale, offset, &lo, &hi);   \
+        } else {                                                    \
+            dequantize(FMT, b, &lo, &hi);                           \
+        }                                                           \
+        memcpy(o, &lo, sizeof lo);                                  \
+        memcpy(o + LANES, &hi, sizeof hi);                          \
     } while (0)
 #else
 #define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                                       \
