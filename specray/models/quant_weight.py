@@ -15,7 +15,8 @@ Sharding works on whole rows and whole blocks, so it never splits a block:
 | weight kind              | shard                                                | needs                   |
 |--------------------------|------------------------------------------------------|-------------------------|
 | column-parallel (q/k/v,  | rows of blocks (q/k rows un-permuted per head first) | -                       |
-| gate/up, embedding, head)| fused parts: rows of each part concatenated          | one type for all parts  |
+| gate/up, embedding, head)| fused parts: rows of each part concatenated (parts   | -                       |
+|                          | of different types: FusedQuantWeight, side by side)  |                         |
 | row-parallel (o, down)   | the same whole blocks of K of every row              | K / tp % block size == 0|
 
 ``SPECRAY_CPU_QUANT`` picks the mode: unset or ``exact`` keeps the blocks, ``0`` dequantizes
