@@ -50,6 +50,7 @@ from drafter_checkpoints import (
 from safetensors.torch import load_file, save_file
 
 from specray.comm.context import DistContext
+from specray.models.drafters.common import to_target_vocab
 from specray.workers.worker import load_model
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
@@ -443,3 +444,22 @@ def test_the_driver_rejects_a_drafter_before_any_rank_starts(target, tmp_path, m
                           parallel=ParallelConfig(tp_size=2, launcher="mp"))
     with pytest.raises(ValueError, match=error):
         LLM(config)
+
+
+def test_the_draft_vocabulary_head_is_the_full_head_through_d2t():
+    # a draft-vocabulary head (d2t: draft id i is target id i + d2t[i]) chooses what a head over
+    # the target's whole vocabulary chooses when the tokens outside the draft vocabulary can never
+    # be drafted: the same greedy drafts, the same sampling distribution, nothing else reachable
+    gen = torch.Generator().manual_seed(0)
+    vocab, draft_vocab = 50, 12
+    target_ids = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    draft_logits = torch.randn(6, draft_vocab, generator=gen)
+    full = to_target_vocab(draft_logits, target_ids, vocab)
+    assert torch.equal(full.argmax(-1), target_ids[draft_logits.argmax(-1)])
+    probs = full.softmax(-1)
+    # the same terms, summed over 50 lanes with zeros instead of 12: equal up to the order of the sum
+    torch.testing.assert_close(probs[:, target_ids], draft_logits.softmax(-1), rtol=1e-6, atol=0)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[target_ids] = False
+    assert (probs[:, outside] == 0).all() and torch.isinf(full[:, outside]).all()
+    assert to_target_vocab(draft_logits, None, draft_vocab) is draft_logits  # no d2t: already the target's
