@@ -245,6 +245,22 @@ def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(
     _assert_prefill_and_decode_equal(quant, _load(path, "0", monkeypatch))
 
 
+def test_safetensors_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
+    # item 1's last sentence: a Hugging Face checkpoint stored in BF16 keeps its matrices in BF16
+    # on a float32 CPU rank (the BF16 kernels widen them exactly), at half the bytes
+    from safetensors.torch import load_file, save_file
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(hf_dir / "model.safetensors"))
+    quant, dense = _load(hf_dir, "exact", monkeypatch), _load(hf_dir, "0", monkeypatch)
+    kept = quantized_weights(quant)
+    assert {w.type_name for w in kept} == {"BF16"} and len(kept) >= 2 * 4 + 1  # every layer matrix, the embedding
+    assert quantized_weights(dense) == [] and held_bytes(quant) < 0.6 * held_bytes(dense)
+    _assert_prefill_and_decode_equal(quant, dense)
+
+
 def test_a_bad_quant_mode_is_refused(monkeypatch):
     monkeypatch.setenv("SPECRAY_CPU_QUANT", "int8")
     with pytest.raises(ValueError, match=r"SPECRAY_CPU_QUANT must be one of \('exact', 'fast', '0'\).*'int8'"):
