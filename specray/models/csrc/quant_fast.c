@@ -122,9 +122,9 @@ typedef struct {
     int32_t *sq;
 } act_blocks;
 
-static void quantize_row(const float *x, int64_t K, act_blocks a) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    /* the same rule in vectors: vcvtps2dq rounds half to even as rintf does (the default MXCSR) */
+/* vcvtps2dq rounds half to even (the default MXCSR), as the rule's rint. */
+static void quantize_row(const float *x, int64_t K, act_blocks a) {
     for (int64_t b = 0; b < K / BLOCK_SIZE; ++b) {
         const __m512 lo = _mm512_loadu_ps(x + b * BLOCK_SIZE), hi = _mm512_loadu_ps(x + b * BLOCK_SIZE + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -138,28 +138,8 @@ static void quantize_row(const float *x, int64_t K, act_blocks a) {
         a.sq[b] = sum;
         a.s[b] = a.da[b] * (float)sum;
     }
-    return;
-#endif
-    for (int64_t b = 0; b < K / BLOCK_SIZE; ++b) {
-        const float *xb = x + b * BLOCK_SIZE;
-        float amax = 0.0f;
-        for (int t = 0; t < BLOCK_SIZE; ++t) amax = __builtin_fmaxf(amax, __builtin_fabsf(xb[t]));
-        if (!(amax > FAST_MIN_AMAX)) amax = 0.0f;
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int t = 0; t < BLOCK_SIZE; ++t) {
-            const float v = __builtin_rintf(xb[t] * id); /* round half to even, as vcvtps2dq */
-            const int32_t q = v > 127.0f ? 127 : v < -127.0f ? -127 : (int32_t)v;
-            a.q[b * BLOCK_SIZE + t] = (int8_t)q;
-            sum += q;
-        }
-        a.da[b] = amax / 127.0f;
-        a.sq[b] = sum;
-        a.s[b] = a.da[b] * (float)sum;
-    }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -243,6 +223,7 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
     if (f < 0 || !specray_quant_fast_available()) return -2;
     if (K % BLOCK_SIZE || N % FAST_ROWS) return -3;
     if (M < 1) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t blocks = K / BLOCK_SIZE;
     const size_t need = M * (sizeof(act_blocks) + K + blocks * (2 * sizeof(float) + sizeof(int32_t)));
     uint64_t on_stack[need <= FAST_STACK_BYTES ? (need + 7) / 8 : 1]; /* a decode step's rows: no malloc */
@@ -259,11 +240,13 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
     if (threads <= 0) threads = M == 1 && N / FAST_ROWS * blocks * FAST_ROWS * FORMATS[f].block_bytes <
                                     FAST_PARALLEL_MIN_BYTES ? 1 : all;
     if (threads > all) threads = all;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (f == Q8_0) fast_Q8_0(a, w, bias, y, M, N, K, threads);
     else if (f == Q4_0) fast_Q4_0(a, w, bias, y, M, N, K, threads);
     else fast_Q4_1(a, w, bias, y, M, N, K, threads);
-#endif
     if (need > FAST_STACK_BYTES) free(a);
     return 0;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)threads;
+    return -2;
+#endif
 }
