@@ -187,6 +187,11 @@ def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
     with pytest.raises(ValueError, match=r"no fast layout for Q5_0"):
         kernels.quant.fast_repack(q5, QType.Q5_0, (16, 64))
     assert not kernels.quant.has_fast_kernel(QType.BF16) and kernels.quant.has_fast_kernel(QType.Q8_0)
+    packed = kernels.quant.fast_repack(torch.from_numpy(random_blocks(QType.Q4_1, 16, 64, seed=0)), QType.Q4_1, (16, 64))
+    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 \[16\]"):
+        kernels.quant.fast_gemv(torch.randn(1, 64), packed, QType.Q4_1, (16, 64), bias=torch.zeros(8))
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[rows >= 1, 64\]"):
+        kernels.quant.fast_gemv(torch.randn(0, 64), packed, QType.Q4_1, (16, 64))
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,11 @@ FAST_TYPES = frozenset(int(t) for t in (GGMLQuantizationType.Q4_0, GGMLQuantizat
                                          GGMLQuantizationType.Q8_0))
 
 
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 [{n}], not {bias.dtype} {tuple(bias.shape)}")
+
+
 def _type_name(ggml_type: int) -> str:
     try:
         return GGMLQuantizationType(ggml_type).name
@@ -107,6 +112,7 @@ class QuantGemv:
         self._check_blocks(packed, ggml_type, n, k)
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not x.shape[0]:
             raise ValueError(f"x must be a float32 CPU tensor [rows >= 1, {k}], not {x.dtype} {tuple(x.shape)}")
+        _check_bias(bias, n)
         x = x.contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         rc = self._fast_gemv(int(ggml_type), x.data_ptr(), packed.data_ptr(),
@@ -147,8 +153,7 @@ class QuantGemv:
             raise ValueError(f"x must be a float32 CPU tensor [rows, {k}], not {x.dtype} {tuple(x.shape)}")
         if not 1 <= x.shape[0] <= self.max_rows:
             raise ValueError(f"the quantized GEMV takes 1..{self.max_rows} rows of x, not {x.shape[0]}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous float32 [{n}], not {bias.dtype} {tuple(bias.shape)}")
+        _check_bias(bias, n)
 
     def _check_blocks(self, blocks, ggml_type, n, k) -> None:
         layout = self.block_layout(ggml_type)
