@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from kernel_build import built_kernels
 from test_quant_gemv import random_blocks
-from test_quant_model import _step
+from test_quant_model import assert_verify_rows_get_the_decode_steps_bits
 from test_weight_memory import held_bytes
 
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
@@ -220,20 +220,13 @@ def test_the_shipped_file_is_repacked_in_place(fast_model, kernels, monkeypatch)
 
 def test_a_verify_row_gets_the_decode_steps_bits_in_fast_mode(fast_model, kernels, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
-    pools = [torch.zeros(6, 2, fast_model.num_local_kv_heads, block_size, 64)
-             for _ in range(fast_model.arch.num_layers)]
-    _step(fast_model, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
-    ids = torch.randint(0, 49152, (8,), generator=gen)
-    decode = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
-    for rows in (2, 4, 6, 8):
-        verify = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])
-        assert torch.equal(verify[:1], decode), rows
+    decode_step = assert_verify_rows_get_the_decode_steps_bits(fast_model)
+    decode, saved = decode_step(), torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one_thread = _step(fast_model, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
+        one_thread = decode_step()
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(saved)
     assert torch.equal(one_thread, decode)
 
 

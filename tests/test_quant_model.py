@@ -127,17 +127,26 @@ def test_logits_equal_the_float32_path(models, kernels, block_size, monkeypatch)
     assert len(calls) == 2 * 3  # the decode and verify steps took the fused path on both models
 
 
+def assert_verify_rows_get_the_decode_steps_bits(model):
+    """After a 40-token prompt, verify steps of 2-8 rows: row 0's logits are the decode step's
+    for the same token, bit for bit. Returns a function that reruns that decode step."""
+    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
+    pools = [torch.zeros(6, 2, model.num_local_kv_heads, block_size, 64) for _ in range(model.arch.num_layers)]
+    _step(model, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
+    ids = torch.randint(0, 49152, (8,), generator=gen)
+
+    def step(rows: int) -> torch.Tensor:
+        return _step(model, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])
+
+    decode = step(1)
+    for rows in (2, 4, 6, 8):
+        assert torch.equal(step(rows)[:1], decode), rows
+    return lambda: step(1)
+
+
 def test_a_verify_row_gets_the_decode_steps_bits(models, kernels, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    quant = models[0]
-    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
-    pools = [torch.zeros(6, 2, quant.num_local_kv_heads, block_size, 64) for _ in range(quant.arch.num_layers)]
-    _step(quant, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
-    ids = torch.randint(0, 49152, (8,), generator=gen)
-    decode = _step(quant, [p.clone() for p in pools], tables, block_size, [40], [1], ids[:1])
-    for rows in (2, 4, 6, 8):
-        verify = _step(quant, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])
-        assert torch.equal(verify[:1], decode), rows
+    assert_verify_rows_get_the_decode_steps_bits(models[0])
 
 
 def test_the_head_reads_the_embeddings_blocks(models, kernels, monkeypatch):

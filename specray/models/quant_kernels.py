@@ -17,8 +17,6 @@ from gguf import GGMLQuantizationType
 
 
 FAST_ROWS = 16  # quant_fast.c's output rows per group
-FAST_TYPES = frozenset(int(t) for t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                         GGMLQuantizationType.Q8_0))
 
 
 def _check_bias(bias: torch.Tensor | None, n: int) -> None:
@@ -58,6 +56,7 @@ class QuantGemv:
         self._fast_rows.argtypes = [cint, ptr, ptr, i64, ptr, i64]
         self._fast_rows.restype = cint
         self.has_fast = bool(lib.specray_quant_fast_available())
+        self._fast_types = frozenset(int(t) for t in GGMLQuantizationType if lib.specray_quant_fast_has_kernel(int(t)))
         self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
 
     def _read_layout(self, ggml_type: int) -> tuple[int, int] | None:
@@ -90,7 +89,7 @@ class QuantGemv:
 
     def has_fast_kernel(self, ggml_type: int) -> bool:
         """Whether SPECRAY_CPU_QUANT=fast has a kernel for the type on this machine (VNNI)."""
-        return self.has_fast and int(ggml_type) in FAST_TYPES
+        return int(ggml_type) in self._fast_types  # the C table, read once
 
     def fast_repack(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
         """The GGUF rows ``blocks`` in quant_fast.c's layout (16 output rows interleaved), the same

@@ -47,6 +47,16 @@ static int fast_format(int ggml_type) {
 
 static int scale_bytes(int f) { return f == Q4_1 ? 4 : 2; } /* d (and m) at the front of a block */
 
+/* 1 where this build has a fast kernel for the GGML type, else 0 (quant_kernels.py reads it once). */
+int specray_quant_fast_has_kernel(int ggml_type) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return fast_format(ggml_type) >= 0;
+#else
+    (void)ggml_type;
+    return 0;
+#endif
+}
+
 int specray_quant_fast_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;

@@ -239,9 +239,6 @@ static inline half_ivec widen8_s(const uint8_t *p) { sbytes8 v; memcpy(&v, p, 8)
 #endif
 
 static inline __attribute__((always_inline)) void dequantize8(int FMT, const uint8_t *b, half_vec w[4]) {
-    if (FMT == Q4_K || FMT == Q6_K) { /* not reached: the K-quants go through dequantize8_k */
-        return;
-    }
     if (FMT == BF16) { /* the top 16 bits of a float32: exact */
         typedef uint16_t u16x8 __attribute__((vector_size(16)));
         for (int i = 0; i < 4; ++i) {
