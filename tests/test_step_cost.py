@@ -126,6 +126,11 @@ def test_batch_classes_and_the_slope_between_measured_batches():
     assert [interpolate_slope(slopes, n) for n in (1, 2, 3, 4, 8, 16)] == pytest.approx(
         [0.001, 0.002, 0.003, 0.004, 0.004, 0.004])  # linear between, the nearest beyond
     assert interpolate_slope({4: 0.004}, 1) == 0.004
+    # A slope measured as 0 stays 0, not a few ulps below it (CI met s0 + (0 - s0) * 3 / 3 < 0,
+    # and StepCost refused the prior): at every s0, the ends are exact and nothing goes negative.
+    for s0 in (0.00010235019577568971, 0.000199, 1e-3 / 3, 0.1):
+        between = [interpolate_slope({1: s0, 4: 0.0}, n) for n in (1, 2, 3, 4, 8)]
+        assert between[0] == s0 and between[3:] == [0.0, 0.0] and min(between) >= 0
 
 
 def test_each_batch_class_fits_its_own_steps_from_its_own_prior():

@@ -256,13 +256,16 @@ def batch_class(num_decode_rows: int) -> int:
 
 def interpolate_slope(slopes: dict[int, float], num_rows: int) -> float:
     """The verify-row cost at ``num_rows`` decode rows from the ones measured at some batch sizes:
-    linear between them, the nearest one's beyond them."""
+    linear between them, the nearest one's beyond them. Written as a weighted mean of the two
+    measured slopes, so it lies between them in floating point too (``s0 + (s1 - s0) * t`` can
+    land a few ulps below 0 when s1 is 0, which ``StepCost`` rightly refuses)."""
     points = sorted(slopes.items())
     if num_rows <= points[0][0]:
         return points[0][1]
     for (n0, s0), (n1, s1) in zip(points, points[1:]):
         if num_rows <= n1:
-            return s0 + (s1 - s0) * (num_rows - n0) / (n1 - n0)
+            t = (num_rows - n0) / (n1 - n0)
+            return (1 - t) * s0 + t * s1
     return points[-1][1]
 
 
