@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from kernel_build import built_kernels
-from test_quant_gemv import random_blocks
+from test_quant_gemv import random_blocks, random_k_blocks
 from test_quant_model import assert_verify_rows_get_the_decode_steps_bits
 from test_weight_memory import held_bytes
 
@@ -31,7 +31,8 @@ from specray.models.loader import load_model
 from specray.models.presets import resolve_model
 from specray.models.quant_weight import QuantWeight, quantized_weights
 
-FAST = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+FAST = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K]
+K_QUANTS = (QType.Q4_K, QType.Q6_K)  # super-blocks of 256: K a multiple of 256
 U = 2.0 ** -24  # float32's unit roundoff
 ETA = 2.0 ** -150  # and its absolute rounding error in the subnormal range
 ROWS = [*range(1, 10), 16, 33]  # 33: past the exact kernel's 32 rows, which this one has no limit at
@@ -57,20 +58,48 @@ def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
+def half(b: np.ndarray) -> np.ndarray:
+    """fp16 bytes [..., 2] as float64 [...]."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def rule_weights(blocks: np.ndarray, ggml_type: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rule's weights per block of 32 (a K-quant's sub-block), float64 and exact: dw and mw
+    [n, blocks], and the integers the dot product takes [n, blocks, 32] (Q6_K's already times the
+    int8 scale of their half, so that its dot is the rule's sc_lo (..) + sc_hi (..))."""
+    n = blocks.shape[0]
+    if ggml_type == QType.Q4_K:
+        b = blocks.reshape(-1, 144)
+        sc, m = quants.Q4_K.get_scale_min(b[:, 4:16])  # [super-blocks, 8] each
+        dw, mw = half(b[:, 0:2])[:, None] * sc, -(half(b[:, 2:4])[:, None] * m)
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
+        return dw.reshape(n, -1), mw.reshape(n, -1), (qs & 15).reshape(n, -1, 32).astype(np.float64)
+    if ggml_type == QType.Q6_K:
+        b = blocks.reshape(-1, 210)
+        ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 15
+        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+        q6 = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << 4)).astype(np.float64) - 32  # gguf's order
+        wq = q6.reshape(-1, 16, 16) * b[:, 192:208].view(np.int8)[..., None]
+        dw = np.repeat(half(b[:, 208:210]), 8)
+        return dw.reshape(n, -1), 0 * dw.reshape(n, -1), wq.reshape(n, -1, 32)
+    b = blocks.reshape(n, -1, FORMATS_BYTES[ggml_type])
+    d = half(b[..., :2])
+    m = half(b[..., 2:4]) if ggml_type == QType.Q4_1 else 0 * d
+    if ggml_type == QType.Q8_0:
+        return d, m, b[..., 2:].view(np.int8).astype(np.float64)
+    nib = b[..., -16:]
+    return d, m, np.concatenate([nib & 15, nib >> 4], -1).astype(np.float64) - (8 if ggml_type == QType.Q4_0 else 0)
+
+
+FORMATS_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}
+
+
 def rule_terms(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
     """[rows, n, blocks, 2] float64: each block's two terms of the rule, dw da dot and mw da sq
-    (0 but for Q4_1), from the blocks' own d, m and quants, unrounded; and [rows, n] the sum of
-    |dot| + |mw| over blocks (rule_bound's subnormal part)."""
+    (0 but for Q4_1 and Q4_K), from the blocks' own scales and quants, unrounded; and [rows, n]
+    the sum of |dot| + |mw| over blocks (rule_bound's subnormal part)."""
     q, da = int8_activations(x)
-    n = blocks.shape[0]
-    b = blocks.reshape(n, q.shape[1], -1)
-    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if ggml_type == QType.Q4_1 else 0 * d
-    if ggml_type == QType.Q8_0:
-        wq = b[..., 2:].view(np.int8).astype(np.float64)
-    else:
-        nib = b[..., -16:]
-        wq = np.concatenate([nib & 15, nib >> 4], -1).astype(np.float64) - (8 if ggml_type == QType.Q4_0 else 0)
+    d, m, wq = rule_weights(blocks, ggml_type)
     dot = np.einsum("nbi,rbi->rnb", wq, q)
     sq = q.sum(-1)  # [rows, blocks]
     terms = np.stack([d * da[:, None, :] * dot, m * (da * sq)[:, None, :]], -1)
@@ -120,13 +149,21 @@ def activations(k: int, rows: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("ggml_type", FAST, ids=lambda t: t.name)
-@pytest.mark.parametrize("k_blocks", [1, 3, 18, 48])
-def test_fast_gemv_follows_its_rule(ggml_type, k_blocks, kernels):
-    n, k = 48, 32 * k_blocks
-    blocks = random_blocks(ggml_type, n, k, seed=k_blocks * 7 + int(ggml_type))
+def weight_blocks(ggml_type: QType, n: int, k: int, seed: int) -> np.ndarray:
+    """random_blocks, or random_k_blocks for the K-quants (with their edge cases)."""
+    return (random_k_blocks if ggml_type in K_QUANTS else random_blocks)(ggml_type, n, k, seed=seed)
+
+
+CASES = [(t, 32 * b) for t in FAST if t not in K_QUANTS for b in (1, 3, 18, 48)]
+CASES += [(t, 256 * b) for t in K_QUANTS for b in (1, 2, 6)]
+
+
+@pytest.mark.parametrize("ggml_type,k", CASES, ids=lambda c: getattr(c, "name", c))
+def test_fast_gemv_follows_its_rule(ggml_type, k, kernels):
+    n = 48
+    blocks = weight_blocks(ggml_type, n, k, seed=k * 7 + int(ggml_type))
     packed = kernels.quant.fast_repack(torch.from_numpy(blocks), ggml_type, (n, k))
-    x = activations(k, max(ROWS), seed=k_blocks)
+    x = activations(k, max(ROWS), seed=k)
     terms, subnormal_gain = rule_terms(x.numpy(), blocks, ggml_type)
     expected, bound = terms.sum((-1, -2)), rule_bound(terms, subnormal_gain)
     exact = kernels.quant.gemv(x[:32], torch.from_numpy(blocks), ggml_type, (n, k)).numpy()
@@ -163,8 +200,8 @@ def test_the_quantization_bound_is_tight_enough_to_mean_something(kernels):
 
 @pytest.mark.parametrize("ggml_type", FAST, ids=lambda t: t.name)
 def test_bias_and_the_repacked_rows(ggml_type, kernels):
-    n, k = 1536, 576  # past the one-thread size: both threads split the groups
-    blocks = random_blocks(ggml_type, n, k, seed=int(ggml_type))
+    n, k = 1536, 768 if ggml_type in K_QUANTS else 576  # past the one-thread size: both threads split the groups
+    blocks = weight_blocks(ggml_type, n, k, seed=int(ggml_type))
     w = torch.from_numpy(blocks)
     packed = kernels.quant.fast_repack(w, ggml_type, (n, k))
     assert packed.shape == w.shape and not torch.equal(packed, w)
@@ -259,10 +296,39 @@ def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, capl
     with caplog.at_level(logging.INFO, logger="specray.models.quant_weight"):
         model = load_model(path, DistContext.single(), "float32")
     assert [r.getMessage() for r in caplog.records] == [
-        "SPECRAY_CPU_QUANT=fast: 2 weights run the exact kernels: the fast kernels take Q4_0, Q4_1 and Q8_0, not Q5_1"]
+        "SPECRAY_CPU_QUANT=fast: 2 weights run the exact kernels: "
+        "the fast kernels take Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, not Q5_1"]
     assert isinstance(model.layers[0].mlp.gate_up.weight, QuantWeight) and model.layers[0].mlp.gate_up.weight.is_fast
     assert not model.layers[1].mlp.down.weight.is_fast
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         y = model.layers[0].mlp(x)
     assert torch.isfinite(y).all() and y.abs().max() > 0
+
+
+def test_a_k_quant_mix_runs_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
+    # a Q4_K_M-style mix (Q4_K layers, Q6_K down, one v, one up and the embedding): every weight
+    # repacked, including the parts of mixed fused weights; a verify row keeps the decode step's
+    # bits. The kernels' error is held to its bound above; here a layout wired to the wrong rows
+    # or sub-blocks would decorrelate the logits from the exact kernels' (cosine far below 1).
+    from checkpoints import make_checkpoint
+    from gguf_files import write_gguf
+    from test_quant_model import LAYERS
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
+    types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
+    types.update({"token_embd.weight": QType.Q6_K, "blk.0.attn_v.weight": QType.Q6_K, "blk.1.ffn_up.weight": QType.Q6_K})
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    models = {}
+    for mode in ("exact", "fast"):
+        monkeypatch.setenv("SPECRAY_CPU_QUANT", mode)
+        models[mode] = load_model(path, DistContext.single(), "float32")
+    weights = quantized_weights(models["fast"])
+    assert {w.type_name for w in weights} == {"Q4_K", "Q6_K"} and all(w.is_fast for w in weights)
+    assert held_bytes(models["fast"]) == held_bytes(models["exact"])
+    decode_step = assert_verify_rows_get_the_decode_steps_bits(models["fast"])
+    fast = decode_step().flatten()
+    exact = assert_verify_rows_get_the_decode_steps_bits(models["exact"])().flatten()
+    assert not torch.equal(fast, exact) and float(torch.cosine_similarity(fast, exact, dim=0)) > 0.99

@@ -130,10 +130,11 @@ def test_logits_equal_the_float32_path(models, kernels, block_size, monkeypatch)
 def assert_verify_rows_get_the_decode_steps_bits(model):
     """After a 40-token prompt, verify steps of 2-8 rows: row 0's logits are the decode step's
     for the same token, bit for bit. Returns a function that reruns that decode step."""
-    gen, block_size, tables = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]]
-    pools = [torch.zeros(6, 2, model.num_local_kv_heads, block_size, 64) for _ in range(model.arch.num_layers)]
-    _step(model, pools, tables, block_size, [0], [40], torch.randint(0, 49152, (40,), generator=gen))
-    ids = torch.randint(0, 49152, (8,), generator=gen)
+    gen, block_size, tables, vocab = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]], model.arch.vocab_size
+    pools = [torch.zeros(6, 2, model.num_local_kv_heads, block_size, model.arch.head_dim)
+             for _ in range(model.arch.num_layers)]
+    _step(model, pools, tables, block_size, [0], [40], torch.randint(0, vocab, (40,), generator=gen))
+    ids = torch.randint(0, vocab, (8,), generator=gen)
 
     def step(rows: int) -> torch.Tensor:
         return _step(model, [p.clone() for p in pools], tables, block_size, [40], [rows], ids[:rows])

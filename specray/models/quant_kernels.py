@@ -91,6 +91,12 @@ class QuantGemv:
         """Whether SPECRAY_CPU_QUANT=fast has a kernel for the type on this machine (VNNI)."""
         return int(ggml_type) in self._fast_types  # the C table, read once
 
+    @property
+    def fast_type_names(self) -> str:
+        """The types with a fast kernel here, for messages: "Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"."""
+        names = [_type_name(t) for t in sorted(self._fast_types)]
+        return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
     def fast_repack(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
         """The GGUF rows ``blocks`` in quant_fast.c's layout (16 output rows interleaved), the same
         bytes in another order; out_features must be a multiple of FAST_ROWS."""
@@ -99,7 +105,7 @@ class QuantGemv:
         out = torch.empty_like(blocks)
         rc = self._fast_repack(int(ggml_type), blocks.data_ptr(), out.data_ptr(), n, k)
         if rc:
-            raise ValueError(f"no fast layout for {_type_name(ggml_type)} {shape}: it takes Q4_0, Q4_1 or Q8_0 "
+            raise ValueError(f"no fast layout for {_type_name(ggml_type)} {shape}: it takes {self.fast_type_names} "
                              f"with out_features a multiple of {FAST_ROWS} (code {rc})")
         return out
 

@@ -21,8 +21,8 @@ Sharding works on whole rows and whole blocks, so it never splits a block:
 
 ``SPECRAY_CPU_QUANT`` picks the mode: unset or ``exact`` keeps the blocks, ``0`` dequantizes
 at load as before. A type without a kernel, or a shard that would split blocks, is loaded as
-float32 with one log line saying why. ``fast`` keeps them too, then repacks the Q4_0, Q4_1 and
-Q8_0 weights for ``quant_fast.c`` (int8 activations, VNNI: not the float32 path's bits; see
+float32 with one log line saying why. ``fast`` keeps them too, then repacks the Q4_0, Q4_1,
+Q8_0, Q4_K and Q6_K weights for ``quant_fast.c`` (int8 activations, VNNI: not the float32 path's bits; see
 ``to_fast_layout``); other types, and weights whose rows are not whole groups of 16, run the
 exact kernels, with one log line per reason.
 """
@@ -234,7 +234,7 @@ def _fast_refusal(kernels, weight: QuantWeight) -> str | None:
     if kernels is None or not kernels.quant.has_fast:
         return "this CPU has no AVX-512 VNNI (or the kernels are not built)"
     if not kernels.quant.has_fast_kernel(weight.ggml_type):
-        return f"the fast kernels take Q4_0, Q4_1 and Q8_0, not {weight.type_name}"
+        return f"the fast kernels take {kernels.quant.fast_type_names}, not {weight.type_name}"
     if weight.shape[0] % FAST_ROWS:
         return f"out_features is not a multiple of {FAST_ROWS} (the fast layout's rows per group)"
     return None

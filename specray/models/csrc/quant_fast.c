@@ -1,35 +1,33 @@
 /* SPECRAY_CPU_QUANT=fast: y = x W^T (+ bias) with int8 activations and VNNI's vpdpbusd, for
- * Q4_0, Q4_1 and Q8_0 weights repacked 16 output rows at a time. Not the float32 path's bits
- * (quant_gemv.c is that); deterministic, and each row of x gives the same bits whatever the
- * number of rows or threads, so a verify row equals its decode row.
+ * Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights repacked 16 output rows at a time (quant_fast_layout.c).
+ * Not the float32 path's bits (quant_gemv.c is that); deterministic, and each row of x gives the
+ * same bits whatever the number of rows or threads, so a verify row equals its decode row.
  *
  * The rule, per row of x and block b of 32 (as llama.cpp's Q8_1 activations, with a float32 scale):
- *   da = amax / 127, q = rint(x * (127 / amax)), sq = sum(q); a block with amax <= 2^-120
- *   (0, or so small that 127 / amax would overflow) has da = 0 and q = 0
+ *   da = amax / 127, q = rint(x * (127 / amax)), sq = sum(q) (sq_lo, sq_hi: over its two halves of
+ *   16); a block with amax <= 2^-120 (0, or so small that 127 / amax would overflow) has da = 0
+ *   and q = 0. Then, over the weight's blocks of 32 in order (a K-quant's sub-blocks):
  *   Q8_0: dot = sum((w + 128) * q) - 128 sq     (vpdpbusd takes unsigned weights)
  *   Q4_0: dot = sum(nibble * q) - 8 sq
- *   Q4_1: dot = sum(nibble * q)
- *   acc = fma(float(dot), dw * da, acc); Q4_1 then acc = fma(mw, da * sq, acc)
- * over b in order; y = acc (+ bias). dot is exact in int32 (|dot| <= 32 * 255 * 127).
+ *   Q4_1: dot = sum(nibble * q)                  dw = d, mw = m
+ *   Q4_K: dot = sum(nibble * q)                  dw = d * sc, mw = -(dmin * m) (both exact)
+ *   Q6_K: dot = sc_lo (sum_lo(u * q) - 32 sq_lo) + sc_hi (sum_hi(u * q) - 32 sq_hi), u = q6 + 32
+ *         in 0..63 and sc the int8 scale of each half; dw = d
+ *   acc = fma(float(dot), dw * da, acc); Q4_1 and Q4_K then acc = fma(mw, da * sq, acc)
+ * and y = acc (+ bias). dot is exact in int32 and float(dot) exact in float32 (|dot| < 2^24:
+ * at most 32 * 255 * 127, or Q6_K's 2 * 128 * 16 * 32 * 127).
  *
  * Why repack: one 512-bit vpdpbusd does 64 multiply-adds, but only with its 16 int32 lanes each
  * summing 4 bytes of one output. Lane j holds output row n + j: the 4 activation bytes are the
  * same for all 16 lanes (one embedded broadcast), the 16 scales are one vcvtph2ps, and the sums
- * come out as 16 outputs with no horizontal add. The layout of a group of 16 rows, block by
- * block (the same bytes as the GGUF rows: 16 blocks of each row per block of the group):
- *   Q4_0: d[16] (fp16), then 4 steps of 64 bytes: step i, lane j = row j's nibble bytes 4i..4i+3
- *         (low nibbles: weights 4i..4i+3, high nibbles: 16 + 4i..)
- *   Q4_1: d[16], m[16], then the same 4 steps
- *   Q8_0: d[16], then 8 steps: step i, lane j = row j's bytes 4i..4i+3, each XOR 0x80 (+128)
- */
+ * come out as 16 outputs with no horizontal add. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_formats.h"
+#include "quant_fast.h"
 
-#define FAST_ROWS 16 /* output rows per group: one 512-bit vector of int32 or float lanes */
 #define FAST_PASS 4 /* rows of x per pass over a group's blocks, their accumulators in registers */
 #define FAST_MIN_AMAX 0x1p-120f /* below this 127 / amax overflows or nearly: the block quantizes to 0 */
 #define FAST_STACK_BYTES (32 * 1024) /* the int8 rows up to this size live on the caller's stack */
@@ -37,15 +35,6 @@
  * Q4_1, K = 576, 2026-12-06) one and two threads took the same time at 45 KiB, two were 3% faster
  * at 68 KiB and 18% at 338 KiB. */
 #define FAST_PARALLEL_MIN_BYTES (64 * 1024)
-
-/* The formats with a fast kernel, by quant_formats.h's index; -1 where there is none. */
-static int fast_format(int ggml_type) {
-    for (int f = 0; f < NUM_FORMATS; ++f)
-        if (FORMATS[f].ggml_type == ggml_type) return f == Q8_0 || f == Q4_0 || f == Q4_1 ? f : -1;
-    return -1;
-}
-
-static int scale_bytes(int f) { return f == Q4_1 ? 4 : 2; } /* d (and m) at the front of a block */
 
 /* 1 where this build has a fast kernel for the GGML type, else 0 (quant_kernels.py reads it once). */
 int specray_quant_fast_has_kernel(int ggml_type) {
@@ -65,71 +54,11 @@ int specray_quant_fast_available(void) {
 #endif
 }
 
-/* GGUF rows [N, K / 32 blocks] to the layout above. Returns 0; -2 for a type without a fast
- * kernel, -3 when K is not a multiple of 32 or N of 16. */
-int specray_quant_fast_repack(int ggml_type, const uint8_t *w, uint8_t *out, int64_t N, int64_t K) {
-    const int f = fast_format(ggml_type);
-    if (f < 0) return -2;
-    if (K % BLOCK_SIZE || N % FAST_ROWS) return -3;
-    const int bytes = FORMATS[f].block_bytes, head = scale_bytes(f), steps = f == Q8_0 ? 8 : 4;
-    const int64_t blocks = K / BLOCK_SIZE;
-    for (int64_t g = 0; g < N / FAST_ROWS; ++g)
-        for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *o = out + (g * blocks + b) * FAST_ROWS * bytes;
-            for (int j = 0; j < FAST_ROWS; ++j) {
-                const uint8_t *src = w + ((g * FAST_ROWS + j) * blocks + b) * bytes;
-                memcpy(o + 2 * j, src, 2);                                    /* d */
-                if (f == Q4_1) memcpy(o + 2 * FAST_ROWS + 2 * j, src + 2, 2); /* m */
-                for (int i = 0; i < steps; ++i)
-                    for (int t = 0; t < 4; ++t) {
-                        const uint8_t q = src[head + 4 * i + t];
-                        o[head * FAST_ROWS + (i * FAST_ROWS + j) * 4 + t] = f == Q8_0 ? q ^ 0x80 : q;
-                    }
-            }
-        }
-    return 0;
-}
-
-/* Rows ids[0..n) of a repacked weight as float32 [n, K]: gguf.quants.dequantize's values (an
- * embedding lookup on a tied head). Returns 0, or the repack's codes. */
-int specray_quant_fast_rows(int ggml_type, const uint8_t *w, const int64_t *ids, int64_t n, float *out, int64_t K) {
-    const int f = fast_format(ggml_type);
-    if (f < 0) return -2;
-    if (K % BLOCK_SIZE) return -3;
-    const int bytes = FORMATS[f].block_bytes, head = scale_bytes(f), steps = f == Q8_0 ? 8 : 4;
-    const int64_t blocks = K / BLOCK_SIZE;
-    for (int64_t r = 0; r < n; ++r) {
-        const int64_t g = ids[r] / FAST_ROWS, j = ids[r] % FAST_ROWS;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t *o = w + (g * blocks + b) * FAST_ROWS * bytes;
-            uint8_t block[34]; /* the GGUF block back, then quant_gemv.c's dequantizer */
-            memcpy(block, o + 2 * j, 2);
-            if (f == Q4_1) memcpy(block + 2, o + 2 * FAST_ROWS + 2 * j, 2);
-            for (int i = 0; i < steps; ++i)
-                for (int t = 0; t < 4; ++t) {
-                    const uint8_t q = o[head * FAST_ROWS + (i * FAST_ROWS + j) * 4 + t];
-                    block[head + 4 * i + t] = f == Q8_0 ? q ^ 0x80 : q;
-                }
-            float *y = out + r * K + b * BLOCK_SIZE;
-            for (int t = 0; t < BLOCK_SIZE; ++t) {
-                const float d = half_to_float(block);
-                if (f == Q8_0) {
-                    y[t] = d * (float)(int8_t)block[2 + t];
-                } else {
-                    const int q = t < 16 ? block[head + t] & 15 : block[head + t - 16] >> 4;
-                    y[t] = f == Q4_0 ? ((float)q - 8.0f) * d : __builtin_fmaf((float)q, d, half_to_float(block + 2));
-                }
-            }
-        }
-    }
-    return 0;
-}
-
 /* One row of x's blocks as the rule says: q (int8 [K]), da and the offset term per block. */
 typedef struct {
     int8_t *q;
-    float *da, *s; /* s: da * sq (Q4_1's m term) */
-    int32_t *sq;
+    float *da, *s; /* s: da * sq (the m term of Q4_1 and Q4_K) */
+    int32_t *sq, *sq_half; /* sq_half: 2 per block, over weights 0-15 and 16-31 (Q6_K's scales) */
 } act_blocks;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -143,7 +72,9 @@ static void quantize_row(const float *x, int64_t K, act_blocks a) {
         const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
         _mm_storeu_si128((__m128i *)(a.q + b * BLOCK_SIZE), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(a.q + b * BLOCK_SIZE + 16), _mm512_cvtsepi32_epi8(qhi));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        a.sq_half[2 * b] = _mm512_reduce_add_epi32(qlo);
+        a.sq_half[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
+        const int32_t sum = a.sq_half[2 * b] + a.sq_half[2 * b + 1];
         a.da[b] = kept / 127.0f;
         a.sq[b] = sum;
         a.s[b] = a.da[b] * (float)sum;
@@ -156,12 +87,102 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* Q4_K's 6-bit scales and mins of its 8 sub-blocks for a group's 16 rows, from the 12 scale
+ * bytes laid out [byte][row] (gguf.quants.Q4_K.get_scale_min, 16 rows at once; the 16-bit shifts
+ * carry bits across bytes only where the masks drop them). */
+static inline void q4k_scales16(const uint8_t *packed, __m128i sc[8], __m128i m[8]) {
+    __m128i s[12];
+    for (int k = 0; k < 12; ++k) s[k] = _mm_loadu_si128((const __m128i *)(packed + 16 * k));
+    const __m128i low6 = _mm_set1_epi8(63), low4 = _mm_set1_epi8(15), top2 = _mm_set1_epi8(0x30);
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = _mm_and_si128(s[j], low6);
+        m[j] = _mm_and_si128(s[j + 4], low6);
+        sc[j + 4] = _mm_or_si128(_mm_and_si128(s[j + 8], low4), _mm_and_si128(_mm_srli_epi16(s[j], 2), top2));
+        m[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), low4),
+                                _mm_and_si128(_mm_srli_epi16(s[j + 4], 2), top2));
+    }
+}
+
+static inline __m512 bytes_to_ps(__m128i v, int is_signed) {
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+/* The K-quants' outputs [n, n + 16) for R rows of x: super-block by super-block, its 8
+ * sub-blocks of 32 weights each one block of the activations (quant_fast_layout.c's offsets). */
+static inline __attribute__((always_inline)) void fast_kgroup(int FMT, int R, const act_blocks *a, const uint8_t *w,
+                                                              const float *bias, float *y, int64_t n, int64_t N,
+                                                              int64_t K) {
+    const int64_t supers = K / 256, bytes = FORMATS[FMT].block_bytes * FAST_ROWS;
+    const __m512i nib = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+    __m512 acc[FAST_PASS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t *g = w + n / FAST_ROWS * supers * bytes;
+    for (int64_t sb = 0; sb < supers; ++sb, g += bytes) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        __m128i sc[8], mins[8];
+        if (FMT == Q4_K) q4k_scales16(g + 64, sc, mins);
+        for (int c = 0; c < 8; ++c) {
+            const int64_t blk = sb * 8 + c;
+            if (FMT == Q6_K) /* an eighth of the super-block after next per sub-block (1.3x from
+                                * memory; a prefetch past the weight does not fault) */
+                for (int64_t at = c * bytes / 8; at < (c + 1) * bytes / 8; at += 64)
+                    _mm_prefetch((const char *)g + 2 * bytes + at, _MM_HINT_T0);
+            __m512i q[8];
+            __m512 dw, mw = _mm512_setzero_ps();
+            __m512i sc_lo = _mm512_setzero_si512(), sc_hi = _mm512_setzero_si512();
+            if (FMT == Q4_K) { /* sub-blocks 2p and 2p + 1: the low and high nibbles of steps 8p .. */
+                const uint8_t *qs = g + 256 + 64 * 8 * (c / 2);
+                const __m128i shift = _mm_cvtsi32_si128(4 * (c % 2));
+                for (int i = 0; i < 8; ++i) q[i] = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(qs + 64 * i), shift), nib);
+                const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
+                dw = _mm512_mul_ps(d, bytes_to_ps(sc[c], 0));
+                mw = _mm512_mul_ps(dmin, _mm512_sub_ps(_mm512_setzero_ps(), bytes_to_ps(mins[c], 0)));
+            } else { /* Q6_K: the low 4 bits from ql, the top 2 from qh, as gguf's chunk c */
+                const uint8_t *qh = g + 288 + 1536 * (c / 4), *ql = qh + 512 + 64 * 8 * (c % 2);
+                const __m128i lshift = _mm_cvtsi32_si128(4 * ((c % 4) / 2)), hshift = _mm_cvtsi32_si128(2 * (c % 4));
+                for (int i = 0; i < 8; ++i) {
+                    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(ql + 64 * i), lshift), nib);
+                    const __m512i top = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(qh + 64 * i), hshift), two);
+                    q[i] = _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+                }
+                dw = d;
+                sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * (2 * c))));
+                sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * (2 * c + 1))));
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xq = a[r].q + blk * BLOCK_SIZE;
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* weights 0-15, 16-31 */
+                for (int i = 0; i < 4; ++i) {
+                    s0 = _mm512_dpbusd_epi32(s0, q[i], bcast4(xq + 4 * i));
+                    s1 = _mm512_dpbusd_epi32(s1, q[i + 4], bcast4(xq + 16 + 4 * i));
+                }
+                __m512i dot;
+                if (FMT == Q4_K) {
+                    dot = _mm512_add_epi32(s0, s1);
+                } else {
+                    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * a[r].sq_half[2 * blk]));
+                    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * a[r].sq_half[2 * blk + 1]));
+                    dot = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc_lo), _mm512_mullo_epi32(s1, sc_hi));
+                }
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a[r].da[blk])), acc[r]);
+                if (FMT == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].s[blk]), acc[r]);
+            }
+        }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N + n, _mm512_add_ps(acc[r], bv));
+}
+
 /* Outputs [n, n + 16) for R rows of x (R a compile-time constant at each call site). */
 static inline __attribute__((always_inline)) void fast_group(int FMT, int R, const act_blocks *a, const uint8_t *w,
                                                              const float *bias, float *y, int64_t n, int64_t N,
                                                              int64_t K) {
+    if (FMT == Q4_K || FMT == Q6_K) {
+        fast_kgroup(FMT, R, a, w, bias, y, n, N, K);
+        return;
+    }
     const int64_t blocks = K / BLOCK_SIZE, bytes = FORMATS[FMT].block_bytes * FAST_ROWS;
-    const int head = scale_bytes(FMT) * FAST_ROWS;
+    const int head = FMT == Q4_1 ? 64 : 32; /* d (and m): 16 fp16 each */
     const __m512i nib = _mm512_set1_epi8(15);
     __m512 acc[FAST_PASS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -221,7 +242,7 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
                 }                                                                                           \
             }                                                                                               \
     }
-FAST_DRIVER(Q8_0) FAST_DRIVER(Q4_0) FAST_DRIVER(Q4_1)
+FAST_DRIVER(Q8_0) FAST_DRIVER(Q4_0) FAST_DRIVER(Q4_1) FAST_DRIVER(Q4_K) FAST_DRIVER(Q6_K)
 #endif
 
 /* threads <= 0: one thread for one row below FAST_PARALLEL_MIN_BYTES of weight, else every
@@ -231,28 +252,30 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
                             int64_t N, int64_t K, int threads) {
     const int f = fast_format(ggml_type);
     if (f < 0 || !specray_quant_fast_available()) return -2;
-    if (K % BLOCK_SIZE || N % FAST_ROWS) return -3;
+    if (K % FORMATS[f].block_weights || N % FAST_ROWS) return -3;
     if (M < 1) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t blocks = K / BLOCK_SIZE;
-    const size_t need = M * (sizeof(act_blocks) + K + blocks * (2 * sizeof(float) + sizeof(int32_t)));
+    const size_t need = M * (sizeof(act_blocks) + K + blocks * (2 * sizeof(float) + 3 * sizeof(int32_t)));
     uint64_t on_stack[need <= FAST_STACK_BYTES ? (need + 7) / 8 : 1]; /* a decode step's rows: no malloc */
     act_blocks *a = need <= FAST_STACK_BYTES ? (act_blocks *)on_stack : malloc(need);
     if (!a) return -1;
     int8_t *q = (int8_t *)(a + M);
     float *da = (float *)(q + M * K), *s = da + M * blocks;
-    int32_t *sq = (int32_t *)(s + M * blocks);
+    int32_t *sq = (int32_t *)(s + M * blocks), *sq_half = sq + M * blocks;
     for (int64_t m = 0; m < M; ++m) {
-        a[m] = (act_blocks){q + m * K, da + m * blocks, s + m * blocks, sq + m * blocks};
+        a[m] = (act_blocks){q + m * K, da + m * blocks, s + m * blocks, sq + m * blocks, sq_half + 2 * m * blocks};
         quantize_row(x + m * K, K, a[m]);
     }
     const int all = omp_get_max_threads();
-    if (threads <= 0) threads = M == 1 && N / FAST_ROWS * blocks * FAST_ROWS * FORMATS[f].block_bytes <
-                                    FAST_PARALLEL_MIN_BYTES ? 1 : all;
+    const int64_t weight_bytes = N * (K / FORMATS[f].block_weights) * FORMATS[f].block_bytes;
+    if (threads <= 0) threads = M == 1 && weight_bytes < FAST_PARALLEL_MIN_BYTES ? 1 : all;
     if (threads > all) threads = all;
     if (f == Q8_0) fast_Q8_0(a, w, bias, y, M, N, K, threads);
     else if (f == Q4_0) fast_Q4_0(a, w, bias, y, M, N, K, threads);
-    else fast_Q4_1(a, w, bias, y, M, N, K, threads);
+    else if (f == Q4_1) fast_Q4_1(a, w, bias, y, M, N, K, threads);
+    else if (f == Q4_K) fast_Q4_K(a, w, bias, y, M, N, K, threads);
+    else fast_Q6_K(a, w, bias, y, M, N, K, threads);
     if (need > FAST_STACK_BYTES) free(a);
     return 0;
 #else

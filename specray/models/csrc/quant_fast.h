@@ -1,0 +1,19 @@
+/* What quant_fast.c (the SPECRAY_CPU_QUANT=fast kernels) and quant_fast_layout.c (their weight
+ * layout) share: the rows per group, and which formats have a fast kernel. */
+#ifndef SPECRAY_QUANT_FAST_H
+#define SPECRAY_QUANT_FAST_H
+
+#include "quant_formats.h"
+
+#define FAST_ROWS 16 /* output rows per group: one 512-bit vector of int32 or float lanes */
+
+/* quant_formats.h's index of a format with a fast kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); -1 for
+ * any other type. */
+static inline int fast_format(int ggml_type) {
+    for (int f = 0; f < NUM_FORMATS; ++f)
+        if (FORMATS[f].ggml_type == ggml_type)
+            return f == Q8_0 || f == Q4_0 || f == Q4_1 || f == Q4_K || f == Q6_K ? f : -1;
+    return -1;
+}
+
+#endif
