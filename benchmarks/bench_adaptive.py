@@ -97,6 +97,11 @@ def configurations(args, dflash: str) -> list[Row]:
         groups["eagle3"] = dict(method="eagle3", draft_model=str(args.eagle3))
     groups["dflash-none"] = dict(method="dflash", draft_model=dflash, force=lambda k: 1.0)
     groups["dflash-all"] = dict(method="dflash", draft_model=dflash, force=lambda k: k + 1.0)
+    if args.groups:
+        unknown = set(args.groups) - set(groups)
+        if unknown:
+            raise SystemExit(f"--groups: {sorted(unknown)} not among {list(groups)} (eagle3 needs --eagle3)")
+        groups = {g: kw for g, kw in groups.items() if g in args.groups}
     rows = [Row(group="plain", k=0, adaptive=False, spec=SpecConfig())]
     for group, kwargs in groups.items():
         kwargs = dict(kwargs)
@@ -275,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle3", type=Path, default=None, help="a drafter trained by specray train-drafter")
     ap.add_argument("--ks", default="1,3,5", help="the static draft lengths; adaptive's ceiling is their max")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--groups", default="", help="only these drafter groups (comma-separated; default: all): "
+                                                 "a partial grid, for a change that touches some cells")
     ap.add_argument("--num-prompts", type=int, default=16, help="HumanEval problems 0..N-1")
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.ks = sorted(int(k) for k in args.ks.split(","))
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.groups = [g for g in args.groups.split(",") if g]
     if args.quick:
         args.concurrency, args.num_prompts, args.rounds = [1, 4], 8, 1
     chats = humaneval_chats(args.num_prompts)
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
-        concurrency=args.concurrency, rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
+        concurrency=args.concurrency, groups=args.groups or "all", rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
         machine=platform.processor() or platform.machine(), cells=result, length0=off,
         adaptive_stats=adaptive_stats,
         passes=[dict(block=group, label=rows[i].label, c=c, passes=x) for (group, i, c), x in passes.items()]),

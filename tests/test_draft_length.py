@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, Evidence, best_lengths,
-                                           cost_per_draft, decode_seconds, draft_forwards, expected_tokens, goodput)
+from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, Evidence, RequestAcceptance,
+                                           best_lengths, cost_per_draft, decode_seconds, draft_forwards,
+                                           expected_tokens, goodput)
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape, fit_step_cost
 
 CPU = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)  # about the issue's 34 ms / 8 rows
@@ -231,3 +232,31 @@ def test_prompt_lookup_drafts_cost_their_verify_rows_only():
 def test_bad_input_names_the_value_and_the_rule(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_probes_fall_due_together():
+    # rows at length 0 join a step that probes anyway once past half their interval, so the
+    # drafter runs on few steps: 16 requests arriving a step apart, every draft rejected
+    interval, steps = 8, 160
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=interval, prior_acceptance=0.0), "ngram")
+    ctl.record(-1, 1, 0)  # the engine has verified a draft: new requests wait their interval
+    ctl.forget(-1)
+    probing_steps = 0
+    for step in range(steps):
+        ids = list(range(min(step + 1, 16)))
+        lengths = ctl.decide(ids, CPU)
+        assert set(lengths) <= {0, 1}
+        for seq, k in zip(ids, lengths):
+            ctl.record(seq, k, 0)
+        probing_steps += any(lengths)
+    # one probing step per half interval at most (plus the arrivals' first): unaligned, the 16
+    # requests' phases stay apart and two steps in every interval's 8 probe
+    assert probing_steps <= steps // (interval // 2) + 2, probing_steps
+    first = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0), "ngram")
+    first.record(-1, 1, 0)
+    first.requests[1] = RequestAcceptance(Evidence.empty(3, 0.5), steps_unverified=4)  # due
+    first.requests[2] = RequestAcceptance(Evidence.empty(3, 0.5), steps_unverified=2)  # half-way: joins
+    first.requests[3] = RequestAcceptance(Evidence.empty(3, 0.5), steps_unverified=1)  # too early
+    assert first.decide([1, 2, 3], CPU) == [1, 1, 0]
+    first.requests[1].steps_unverified = 0
+    assert first.decide([2, 3], CPU) == [0, 0]  # no row due: nobody probes early

@@ -44,7 +44,8 @@ noise moves the fit a little every step, and a near-tie would otherwise flap.
 
 Staleness of the estimate: a request at length 0 shows nothing, so after ``probe_interval``
 steps without a verify it drafts one token (a probe) to refresh p_0; while the engine has never
-verified a draft (its first requests), a request probes at its first decode step.
+verified a draft (its first requests), a request probes at its first decode step. A step that
+probes takes along every row at 0 past half its interval, so that probes fall on few steps.
 """
 
 from __future__ import annotations
@@ -308,13 +309,24 @@ class DraftLengthController:
             lengths = best
             self.num_switches += 1  # a row that differs already had a length (a new one holds the best)
         self.chosen.update(zip(decode_ids, lengths))
-        run = [1 if k == 0 and st.steps_unverified >= self.policy.probe_interval and self.policy.ceiling else k
-               for k, st in zip(lengths, states)]
+        run = self._with_probes(lengths, states)
         for st in states:
             st.steps_unverified += 1
         self.length_histogram.update(run)
         self.num_steps_without_drafting += bool(decode_ids) and not any(run)
         return run
+
+    def _with_probes(self, lengths: list[int], states: list[RequestAcceptance]) -> list[int]:
+        """``lengths`` with a probe (length 1) for each row at 0 that is due one, and, in a step that
+        probes anyway, for each row at 0 past half its interval: the step runs the drafter for the
+        first probe, so the others cost only their rows, and their next probes fall due together.
+        Unaligned, 16 requests arriving a step apart each probe on their own step, and one step in
+        two runs the drafter for one row (issue 27's grid: eagle3 at concurrency 16, 0.89x plain)."""
+        interval = self.policy.probe_interval
+        if not self.policy.ceiling or not any(k == 0 and st.steps_unverified >= interval
+                                              for k, st in zip(lengths, states)):
+            return list(lengths)
+        return [1 if k == 0 and 2 * st.steps_unverified >= interval else k for k, st in zip(lengths, states)]
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """What a decode row's verify showed (``proposed`` 0: it drafted nothing, nothing seen)."""
