@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
-        concurrency=args.concurrency, groups=args.groups or "all", rounds=args.rounds, quick=args.quick, threads=torch.get_num_threads(),
+        concurrency=args.concurrency, groups=args.groups or "all", rounds=args.rounds, quick=args.quick,
+        threads=torch.get_num_threads(),
         machine=platform.processor() or platform.machine(), cells=result, length0=off,
         adaptive_stats=adaptive_stats,
         passes=[dict(block=group, label=rows[i].label, c=c, passes=x) for (group, i, c), x in passes.items()]),

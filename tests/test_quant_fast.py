@@ -319,7 +319,7 @@ def test_a_k_quant_mix_runs_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
     types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
-    types.update({"token_embd.weight": QType.Q6_K, "blk.0.attn_v.weight": QType.Q6_K, "blk.1.ffn_up.weight": QType.Q6_K})
+    types.update({name: QType.Q6_K for name in ("token_embd.weight", "blk.0.attn_v.weight", "blk.1.ffn_up.weight")})
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
     models = {}
     for mode in ("exact", "fast"):

@@ -320,8 +320,9 @@ class DraftLengthController:
         """``lengths`` with a probe (length 1) for each row at 0 that is due one, and, in a step that
         probes anyway, for each row at 0 past half its interval: the step runs the drafter for the
         first probe, so the others cost only their rows, and their next probes fall due together.
-        Unaligned, 16 requests arriving a step apart each probe on their own step, and one step in
-        two runs the drafter for one row (issue 27's grid: eagle3 at concurrency 16, 0.89x plain)."""
+        Unaligned, 16 requests arriving a step apart each probe on a step of their own: with an
+        interval of 32, one step in two runs the drafter for one row (the suspected cause of
+        issue 27's eagle3 cell at concurrency 16; docs/benchmarks.md, the partial grid)."""
         interval = self.policy.probe_interval
         if not self.policy.ceiling or not any(k == 0 and st.steps_unverified >= interval
                                               for k, st in zip(lengths, states)):
