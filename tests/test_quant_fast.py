@@ -311,16 +311,9 @@ def test_a_k_quant_mix_runs_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
     # repacked, including the parts of mixed fused weights; a verify row keeps the decode step's
     # bits. The kernels' error is held to its bound above; here a layout wired to the wrong rows
     # or sub-blocks would decorrelate the logits from the exact kernels' (cosine far below 1).
-    from checkpoints import make_checkpoint
-    from gguf_files import write_gguf
-    from test_quant_model import LAYERS
+    from test_quant_model import write_k_quant_mix
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
-    types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
-    types.update({name: QType.Q6_K for name in ("token_embd.weight", "blk.0.attn_v.weight", "blk.1.ffn_up.weight")})
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_k_quant_mix(tmp_path)
     models = {}
     for mode in ("exact", "fast"):
         monkeypatch.setenv("SPECRAY_CPU_QUANT", mode)
@@ -332,3 +325,13 @@ def test_a_k_quant_mix_runs_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
     fast = decode_step().flatten()
     exact = assert_verify_rows_get_the_decode_steps_bits(models["exact"])().flatten()
     assert not torch.equal(fast, exact) and float(torch.cosine_similarity(fast, exact, dim=0)) > 0.99
+
+
+def test_a_long_repacked_row_is_looked_up_too(kernels):
+    # rows past the lookup's stack buffer (4096 bytes: here 128 Q8_0 blocks, 4352) take the heap
+    n, k = 32, 4096
+    blocks = random_blocks(QType.Q8_0, n, k, seed=3)
+    packed = kernels.quant.fast_repack(torch.from_numpy(blocks), QType.Q8_0, (n, k))
+    ids = torch.tensor([31, 0, 17])
+    assert torch.equal(kernels.quant.fast_rows(packed, QType.Q8_0, (n, k), ids),
+                       torch.from_numpy(quants.dequantize(blocks[ids.numpy()], QType.Q8_0)))

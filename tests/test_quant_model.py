@@ -10,6 +10,7 @@ two models compute the same float32 operations in the same order. Also here: wha
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,16 +238,22 @@ def test_a_type_without_a_kernel_falls_back_to_float32_and_mixed_parts_stay_in_b
     _assert_prefill_and_decode_equal(quant, dense)
 
 
-def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
-    # a Q4_K_M-style mix (Q4_K layers, Q6_K down and embedding): every weight kept in its super-blocks,
-    # prefill (the panels) and the fused decode step bit for bit the dequantized model's
-    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+def write_k_quant_mix(tmp_path) -> Path:
+    """A tiny Llama GGUF in a Q4_K_M-style mix: Q4_K layers; Q6_K down, one layer's v, the other's
+    up and the embedding (so q/k/v and gate/up are fused weights of mixed types)."""
     hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
     types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
-    types.update({"token_embd.weight": QType.Q6_K, "blk.0.attn_v.weight": QType.Q6_K, "blk.1.ffn_up.weight": QType.Q6_K})
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    types.update({name: QType.Q6_K for name in ("token_embd.weight", "blk.0.attn_v.weight", "blk.1.ffn_up.weight")})
+    return write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+
+
+def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
+    # every weight of the mix kept in its super-blocks, prefill (the panels) and the fused decode
+    # step bit for bit the dequantized model's
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    path = write_k_quant_mix(tmp_path)
     quant = _load(path, "exact", monkeypatch)
     held = {w.type_name for w in quantized_weights(quant)}
     assert held == {"Q4_K", "Q6_K"} and len(quantized_weights(quant)) == 2 * 4 + 1 + 3  # + the mixed parts

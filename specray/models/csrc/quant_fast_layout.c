@@ -80,7 +80,9 @@ int specray_quant_fast_rows(int ggml_type, const uint8_t *w, const int64_t *ids,
     if (f < 0) return -2;
     if (K % FORMATS[f].block_weights) return -3;
     const int64_t bytes = FORMATS[f].block_bytes, blocks = K / FORMATS[f].block_weights;
-    uint8_t *row = malloc(blocks * bytes);
+    uint8_t on_stack[4096]; /* a decode step's embedding row (K up to ~3600 at Q8_0): no malloc */
+    const int64_t need = blocks * bytes;
+    uint8_t *row = need <= (int64_t)sizeof on_stack ? on_stack : malloc(need);
     if (!row) return -1;
     for (int64_t r = 0; r < n; ++r) {
         const int64_t g = ids[r] / FAST_ROWS;
@@ -88,6 +90,6 @@ int specray_quant_fast_rows(int ggml_type, const uint8_t *w, const int64_t *ids,
             move_block(f, (uint8_t *)w + (g * blocks + b) * FAST_ROWS * bytes, row + b * bytes, (int)(ids[r] % FAST_ROWS), 0);
         specray_quant_dequantize(ggml_type, row, out + r * K, 1, K);
     }
-    free(row);
+    if (row != on_stack) free(row);
     return 0;
 }
