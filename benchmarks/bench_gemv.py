@@ -114,7 +114,12 @@ def bench(rows_list, threads_list, rounds: int, footprint: int, read: int, plans
 # the fused weights the model runs (q/k/v and gate/up are one weight each since the fused layers)
 QUANT_SHAPES = {"smollm2 qkv": (960, 576, "Q4_1"), "smollm2 o": (576, 576, "Q4_1"),
                 "smollm2 gate_up": (3072, 576, "Q4_1"), "smollm2 down": (576, 1536, "Q4_1"),
-                "smollm2 lm head": (49152, 576, "Q8_0")}
+                "smollm2 lm head": (49152, 576, "Q8_0"),
+                # mid-llama written as Q4_K_M (bench_vs_llamacpp --model mid-llama --weights q4_k_m)
+                "mid-llama gate_up": (5632, 1024, "Q4_K"), "mid-llama down": (1024, 2816, "Q6_K"),
+                "mid-llama lm head": (32000, 1024, "Q6_K")}
+SCALES_AT = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+"""Where a block's fp16 scales sit, where not only at byte 0."""
 
 
 def random_blocks(ggml_type, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -123,8 +128,8 @@ def random_blocks(ggml_type, n: int, k: int, gen: torch.Generator) -> torch.Tens
 
     block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = torch.randint(0, 256, (n * k // block_size, block_bytes), dtype=torch.uint8, generator=gen)
-    num_halves = 2 if ggml_type.name in ("Q4_1", "Q5_1") else 1
-    blocks[:, : 2 * num_halves] = torch.tensor([0x00, 0x2C] * num_halves, dtype=torch.uint8)  # 0.0625
+    for at in SCALES_AT.get(ggml_type.name, (0,)):
+        blocks[:, at : at + 2] = torch.tensor([0x00, 0x2C], dtype=torch.uint8)  # 0.0625
     return blocks.reshape(n, -1)
 
 
@@ -195,16 +200,20 @@ def main() -> None:
                              "estimates an uncontended machine's speed)")
     parser.add_argument("--plans", action="store_true", help="also every candidate plan")
     parser.add_argument("--quant", action="store_true",
-                        help="the GGUF block-quantized GEMV on SmolLM2's shipped types against small_gemm in float32")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
+                        help="the GGUF block-quantized GEMV (SmolLM2's shipped types, mid-llama's Q4_K_M) "
+                             "against small_gemm in float32")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated names from SHAPES (with --quant: QUANT_SHAPES); default: all")
     parser.add_argument("--out", default="bench-results/gemv.json")
     args = parser.parse_args()
-    unknown = set(args.shapes.split(",")) - set(SHAPES)
-    if unknown:
-        raise SystemExit(f"--shapes: {sorted(unknown)} are not among {list(SHAPES)}")
-    for name in list(SHAPES):
-        if name not in args.shapes.split(","):
-            del SHAPES[name]
+    table = QUANT_SHAPES if args.quant else SHAPES
+    if args.shapes is not None:
+        unknown = set(args.shapes.split(",")) - set(table)
+        if unknown:
+            raise SystemExit(f"--shapes: {sorted(unknown)} are not among {list(table)}")
+        for name in list(table):
+            if name not in args.shapes.split(","):
+                del table[name]
     if args.quant and args.out == "bench-results/gemv.json":
         args.out = "bench-results/gemv_quant.json"
     load_before = os.getloadavg()

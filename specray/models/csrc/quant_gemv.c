@@ -38,11 +38,27 @@ static inline __attribute__((always_inline)) void prefetch_next_pass(const uint8
 }
 
 #if defined(__AVX512F__)
+/* One block of 32 weights of C rows of w (lo, hi) into the M x C accumulators: small_gemm's
+ * FMAs, lane for lane. */
+static inline __attribute__((always_inline)) void accumulate(int C, int M, const float *x, int64_t K,
+                                                             const vec *lo, const vec *hi,
+                                                             vec acc[QUANT_ROW_BLOCK][QUANT_MAX_COLUMNS]) {
+    for (int m = 0; m < M; ++m) {
+        const vec xl = load(x + m * K), xh = load(x + m * K + LANES);
+        for (int c = 0; c < C; ++c) {
+            acc[m][c] += xl * lo[c];
+            acc[m][c] += xh * hi[c];
+        }
+    }
+}
+
 /* Outputs n .. n + C - 1 for M rows of x (C, M compile-time constants at each call site):
  * each block dequantized once for all M rows, small_gemm's FMAs lane for lane. C rows of w at
  * a time because one output's sum is one chain of dependent FMAs (small_gemm's order), and a
  * block of 32 quantized weights is only 18-34 bytes: one chain would read 20 bytes per two
- * FMA latencies (~4 GB/s measured for Q4_1); C independent chains keep C times that in flight. */
+ * FMA latencies (~4 GB/s measured for Q4_1); C independent chains keep C times that in flight.
+ * A K-quant's super-block is made ready once per row of w (kquant_prepare), then its 8 chunks
+ * run unrolled, so each chunk's offsets and shifts are constants. */
 static inline __attribute__((always_inline)) void quant_rows(
         int FMT, int C, int M, const float *x, const uint8_t *w, const float *bias, float *y,
         int64_t n, int64_t N, int64_t K) {
@@ -54,24 +70,32 @@ static inline __attribute__((always_inline)) void quant_rows(
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) acc[m][c] = (vec){0};
     const uint8_t *next = w + (n + C) * row_bytes;
-    float scale[QUANT_MAX_COLUMNS][KQUANT_SCALES], offset[QUANT_MAX_COLUMNS][KQUANT_SCALES]; /* K-quants only */
-    for (int64_t k = 0; k < K; k += BLOCK_SIZE) {
-        const int64_t at = k / per_block * bytes; /* the block (or super-block) holding weight k */
-        const int chunk = (int)(k % per_block / BLOCK_SIZE);
-        if (!chunk) prefetch_next_pass(next, C * at, C * bytes);
-        if ((FMT == Q4_K || FMT == Q6_K) && !chunk)
-            for (int c = 0; c < C; ++c) kquant_scales(FMT, wr[c] + at, scale[c], offset[c]);
-        vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
-        for (int c = 0; c < C; ++c) {
-            if (FMT == Q4_K || FMT == Q6_K) dequantize_k(FMT, wr[c] + at, chunk, scale[c], offset[c], &lo[c], &hi[c]);
-            else dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
-        }
-        for (int m = 0; m < M; ++m) {
-            const vec xl = load(x + m * K + k), xh = load(x + m * K + k + LANES);
-            for (int c = 0; c < C; ++c) {
-                acc[m][c] += xl * lo[c];
-                acc[m][c] += xh * hi[c];
+    vec lo[QUANT_MAX_COLUMNS], hi[QUANT_MAX_COLUMNS];
+    if (FMT == Q4_K || FMT == Q6_K) {
+        kquant_block kb[QUANT_MAX_COLUMNS];
+        for (int64_t k = 0; k < K; k += per_block) {
+            const int64_t at = k / per_block * bytes;
+            prefetch_next_pass(next, C * at, C * bytes);
+            for (int c = 0; c < C; ++c) kquant_prepare(FMT, wr[c] + at, &kb[c]);
+            /* Q6_K (210 bytes a super-block) also asks for each row's super-block after next:
+             * 1.1x on down's shape and 1.3x on mid-llama's LM head (32000 x 1024) from memory
+             * (interleaved A/B, three and two pairs, 12-07 01:58); Q4_K, compute-bound, did
+             * not move, as in fast mode (quant_fast.c) */
+            if (FMT == Q6_K && k + 2 * per_block < K)
+                for (int c = 0; c < C; ++c)
+                    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(wr[c] + at + 2 * bytes + off);
+#pragma GCC unroll 8
+            for (int chunk = 0; chunk < 8; ++chunk) {
+                for (int c = 0; c < C; ++c) dequantize_k(FMT, wr[c] + at, chunk, &kb[c], &lo[c], &hi[c]);
+                accumulate(C, M, x + k + BLOCK_SIZE * chunk, K, lo, hi, acc);
             }
+        }
+    } else {
+        for (int64_t k = 0; k < K; k += BLOCK_SIZE) {
+            const int64_t at = k / BLOCK_SIZE * bytes;
+            prefetch_next_pass(next, C * at, C * bytes);
+            for (int c = 0; c < C; ++c) dequantize(FMT, wr[c] + at, &lo[c], &hi[c]);
+            accumulate(C, M, x + k, K, lo, hi, acc);
         }
     }
     for (int m = 0; m < M; ++m)
@@ -230,38 +254,40 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
  * from the same dequantize() the GEMV runs (prefill's weight panels, quant_weight.py), the
  * rows split over threads. Returns 0; -2 for a type without a kernel, -3 when K is not a
  * multiple of the block size. */
+/* One block as stored (32 weights, or a K-quant's super-block of 256) into o. */
+static inline __attribute__((always_inline)) void dequantize_block(int FMT, const uint8_t *b, float *o) {
 #if defined(__AVX512F__)
-#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                          \
-    do {                                                            \
-        vec lo, hi;                                                 \
-        if (FMT == Q4_K || FMT == Q6_K) {                           \
-            float scale[KQUANT_SCALES], offset[KQUANT_SCALES];      \
-            kquant_scales(FMT, b, scale, offset);                   \
-            dequantize_k(FMT, b, chunk, scale, offset, &lo, &hi);   \
-        } else {                                                    \
-            dequantize(FMT, b, &lo, &hi);                           \
-        }                                                           \
-        memcpy(o, &lo, sizeof lo);                                  \
-        memcpy(o + LANES, &hi, sizeof hi);                          \
-    } while (0)
+    vec lo, hi;
+    if (FMT == Q4_K || FMT == Q6_K) {
+        kquant_block kb;
+        kquant_prepare(FMT, b, &kb);
+        for (int chunk = 0; chunk < 8; ++chunk) {
+            dequantize_k(FMT, b, chunk, &kb, &lo, &hi);
+            memcpy(o + BLOCK_SIZE * chunk, &lo, sizeof lo);
+            memcpy(o + BLOCK_SIZE * chunk + LANES, &hi, sizeof hi);
+        }
+        return;
+    }
+    dequantize(FMT, b, &lo, &hi);
+    memcpy(o, &lo, sizeof lo);
+    memcpy(o + LANES, &hi, sizeof hi);
 #else
-#define DEQUANTIZE_BLOCK(FMT, b, chunk, o)                                       \
-    do {                                                                         \
-        half_vec q[4];                                                           \
-        if (FMT == Q4_K || FMT == Q6_K) dequantize8_k(FMT, b, chunk, q);         \
-        else dequantize8(FMT, b, q);                                             \
-        for (int i = 0; i < 4; ++i) memcpy(o + i * LANES / 2, &q[i], sizeof q[i]); \
-    } while (0)
+    half_vec q[4];
+    for (int chunk = 0; chunk < FORMATS[FMT].block_weights / BLOCK_SIZE; ++chunk) {
+        if (FMT == Q4_K || FMT == Q6_K) dequantize8_k(FMT, b, chunk, q);
+        else dequantize8(FMT, b, q);
+        for (int i = 0; i < 4; ++i) memcpy(o + BLOCK_SIZE * chunk + i * LANES / 2, &q[i], sizeof q[i]);
+    }
 #endif
+}
 #define DEQUANTIZER(FMT)                                                                             \
     static void dequantize_##FMT(const uint8_t *w, float *out, int64_t N, int64_t K) {               \
         const int64_t per_block = FORMATS[FMT].block_weights, bytes = FORMATS[FMT].block_bytes;      \
         const int64_t row_bytes = K / per_block * bytes;                                             \
         _Pragma("omp parallel for schedule(static)")                                                 \
         for (int64_t n = 0; n < N; ++n)                                                              \
-            for (int64_t k = 0; k < K; k += BLOCK_SIZE)                                              \
-                DEQUANTIZE_BLOCK(FMT, w + n * row_bytes + k / per_block * bytes,                     \
-                                 (int)(k % per_block / BLOCK_SIZE), out + n * K + k);                \
+            for (int64_t k = 0; k < K; k += per_block)                                               \
+                dequantize_block(FMT, w + n * row_bytes + k / per_block * bytes, out + n * K + k);   \
     }
 DEQUANTIZER(Q8_0) DEQUANTIZER(Q4_0) DEQUANTIZER(Q4_1) DEQUANTIZER(Q5_0) DEQUANTIZER(Q5_1) DEQUANTIZER(BF16)
 DEQUANTIZER(Q4_K) DEQUANTIZER(Q6_K)
