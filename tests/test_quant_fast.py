@@ -31,7 +31,7 @@ from specray.models.loader import load_model
 from specray.models.presets import resolve_model
 from specray.models.quant_weight import QuantWeight, quantized_weights
 
-FAST = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K]
+FAST = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q6_K]
 K_QUANTS = (QType.Q4_K, QType.Q6_K)  # super-blocks of 256: K a multiple of 256
 U = 2.0 ** -24  # float32's unit roundoff
 ETA = 2.0 ** -150  # and its absolute rounding error in the subnormal range
@@ -84,19 +84,24 @@ def rule_weights(blocks: np.ndarray, ggml_type: QType) -> tuple[np.ndarray, np.n
         return dw.reshape(n, -1), 0 * dw.reshape(n, -1), wq.reshape(n, -1, 32)
     b = blocks.reshape(n, -1, FORMATS_BYTES[ggml_type])
     d = half(b[..., :2])
-    m = half(b[..., 2:4]) if ggml_type == QType.Q4_1 else 0 * d
+    has_m = ggml_type in (QType.Q4_1, QType.Q5_1)
+    m = half(b[..., 2:4]) if has_m else 0 * d
     if ggml_type == QType.Q8_0:
         return d, m, b[..., 2:].view(np.int8).astype(np.float64)
     nib = b[..., -16:]
-    return d, m, np.concatenate([nib & 15, nib >> 4], -1).astype(np.float64) - (8 if ggml_type == QType.Q4_0 else 0)
+    q = np.concatenate([nib & 15, nib >> 4], -1).astype(np.int64)
+    if ggml_type in (QType.Q5_0, QType.Q5_1):  # the fifth bit of weight j: bit j of qh (little-endian)
+        qh = b[..., -20:-16].copy().view("<u4").astype(np.int64)  # [n, blocks, 1]
+        q |= ((qh >> np.arange(32)) & 1) << 4
+    return d, m, q.astype(np.float64) - {QType.Q4_0: 8, QType.Q5_0: 16}.get(ggml_type, 0)
 
 
-FORMATS_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}
+FORMATS_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q5_1: 24}
 
 
 def rule_terms(x: np.ndarray, blocks: np.ndarray, ggml_type: QType) -> np.ndarray:
     """[rows, n, blocks, 2] float64: each block's two terms of the rule, dw da dot and mw da sq
-    (0 but for Q4_1 and Q4_K), from the blocks' own scales and quants, unrounded; and [rows, n]
+    (0 but for Q4_1, Q5_1 and Q4_K), from the blocks' own scales and quants, unrounded; and [rows, n]
     the sum of |dot| + |mw| over blocks (rule_bound's subnormal part)."""
     q, da = int8_activations(x)
     d, m, wq = rule_weights(blocks, ggml_type)
@@ -220,9 +225,9 @@ def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
     blocks = torch.from_numpy(random_blocks(QType.Q4_1, 40, 64, seed=0))
     with pytest.raises(ValueError, match=r"no fast layout for Q4_1 \(40, 64\).*multiple of 16"):
         kernels.quant.fast_repack(blocks, QType.Q4_1, (40, 64))
-    q5 = torch.from_numpy(random_blocks(QType.Q5_0, 16, 64, seed=0))
-    with pytest.raises(ValueError, match=r"no fast layout for Q5_0"):
-        kernels.quant.fast_repack(q5, QType.Q5_0, (16, 64))
+    bf16 = torch.zeros(16, 2 * 64, dtype=torch.uint8)  # BF16 keeps its exact kernel in fast mode
+    with pytest.raises(ValueError, match=r"no fast layout for BF16 .* it takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K"):
+        kernels.quant.fast_repack(bf16, QType.BF16, (16, 64))
     assert not kernels.quant.has_fast_kernel(QType.BF16) and kernels.quant.has_fast_kernel(QType.Q8_0)
     packed = kernels.quant.fast_repack(torch.from_numpy(random_blocks(QType.Q4_1, 16, 64, seed=0)), QType.Q4_1, (16, 64))
     with pytest.raises(ValueError, match=r"bias must be a contiguous float32 \[16\]"):
@@ -289,7 +294,7 @@ def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, capl
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    types = {f"blk.{i}.ffn_down.weight": QType.Q5_1 for i in range(2)}
+    types = {f"blk.{i}.ffn_down.weight": QType.BF16 for i in range(2)}
     types.update({f"blk.{i}.ffn_{p}.weight": QType.Q4_0 for i in range(2) for p in ("gate", "up")})
     path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
     monkeypatch.setenv("SPECRAY_CPU_QUANT", "fast")
@@ -297,7 +302,7 @@ def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, capl
         model = load_model(path, DistContext.single(), "float32")
     assert [r.getMessage() for r in caplog.records] == [
         "SPECRAY_CPU_QUANT=fast: 2 weights run the exact kernels: "
-        "the fast kernels take Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, not Q5_1"]
+        "the fast kernels take Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K, not BF16"]
     assert isinstance(model.layers[0].mlp.gate_up.weight, QuantWeight) and model.layers[0].mlp.gate_up.weight.is_fast
     assert not model.layers[1].mlp.down.weight.is_fast
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))

@@ -93,7 +93,7 @@ class QuantGemv:
 
     @property
     def fast_type_names(self) -> str:
-        """The types with a fast kernel here, for messages: "Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"."""
+        """The types with a fast kernel here, for messages: "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K"."""
         names = [_type_name(t) for t in sorted(self._fast_types)]
         return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 

@@ -22,7 +22,7 @@ Sharding works on whole rows and whole blocks, so it never splits a block:
 ``SPECRAY_CPU_QUANT`` picks the mode: unset or ``exact`` keeps the blocks, ``0`` dequantizes
 at load as before. A type without a kernel, or a shard that would split blocks, is loaded as
 float32 with one log line saying why. ``fast`` keeps them too, then repacks the Q4_0, Q4_1,
-Q8_0, Q4_K and Q6_K weights for ``quant_fast.c`` (int8 activations, VNNI: not the float32
+Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights for ``quant_fast.c`` (int8 activations, VNNI: not the float32
 path's bits; see ``to_fast_layout``); other types, and weights whose rows are not whole groups
 of 16, run the exact kernels, with one log line per reason.
 """

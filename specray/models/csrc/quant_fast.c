@@ -1,5 +1,6 @@
 /* SPECRAY_CPU_QUANT=fast: y = x W^T (+ bias) with int8 activations and VNNI's vpdpbusd, for
- * Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights repacked 16 output rows at a time (quant_fast_layout.c).
+ * every format of quant_formats.h but BF16, the weights repacked 16 output rows at a time
+ * (quant_fast_layout.c).
  * Not the float32 path's bits (quant_gemv.c is that); deterministic, and each row of x gives the
  * same bits whatever the number of rows or threads, so a verify row equals its decode row.
  *
@@ -10,10 +11,12 @@
  *   Q8_0: dot = sum((w + 128) * q) - 128 sq     (vpdpbusd takes unsigned weights)
  *   Q4_0: dot = sum(nibble * q) - 8 sq
  *   Q4_1: dot = sum(nibble * q)                  dw = d, mw = m
+ *   Q5_0: dot = sum(q5 * q) - 16 sq              (q5 = nibble | the weight's qh bit << 4)
+ *   Q5_1: dot = sum(q5 * q)                      dw = d, mw = m
  *   Q4_K: dot = sum(nibble * q)                  dw = d * sc, mw = -(dmin * m) (both exact)
  *   Q6_K: dot = sc_lo (sum_lo(u * q) - 32 sq_lo) + sc_hi (sum_hi(u * q) - 32 sq_hi), u = q6 + 32
  *         in 0..63 and sc the int8 scale of each half; dw = d
- *   acc = fma(float(dot), dw * da, acc); Q4_1 and Q4_K then acc = fma(mw, da * sq, acc)
+ *   acc = fma(float(dot), dw * da, acc); Q4_1, Q5_1 and Q4_K then acc = fma(mw, da * sq, acc)
  * and y = acc (+ bias). dot is exact in int32 and float(dot) exact in float32 (|dot| < 2^24:
  * at most 32 * 255 * 127, or Q6_K's 2 * 128 * 16 * 32 * 127).
  *
@@ -57,7 +60,7 @@ int specray_quant_fast_available(void) {
 /* One row of x's blocks as the rule says: q (int8 [K]), da and the offset term per block. */
 typedef struct {
     int8_t *q;
-    float *da, *s; /* s: da * sq (the m term of Q4_1 and Q4_K) */
+    float *da, *s; /* s: da * sq (the m term of Q4_1, Q5_1 and Q4_K) */
     int32_t *sq, *sq_half; /* sq_half: 2 per block, over weights 0-15 and 16-31 (Q6_K's scales) */
 } act_blocks;
 
@@ -182,23 +185,35 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
         return;
     }
     const int64_t blocks = K / BLOCK_SIZE, bytes = FORMATS[FMT].block_bytes * FAST_ROWS;
-    const int head = FMT == Q4_1 ? 64 : 32; /* d (and m): 16 fp16 each */
+    const int has_m = FMT == Q4_1 || FMT == Q5_1, has_qh = FMT == Q5_0 || FMT == Q5_1;
+    const int qh_at = 32 * (1 + has_m), head = qh_at + 64 * has_qh; /* d (and m): 16 fp16 each; qh: 16 x 4 */
     const __m512i nib = _mm512_set1_epi8(15);
+    /* a Q5 weight's fifth bits: entry t (4 bits of qh) holds 0x10 in byte b where bit b of t is
+     * set; vpermd reads only the low 4 bits of each index, so qh >> s needs no mask */
+    const __m512i spread = _mm512_setr_epi32(0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010,
+                                             0x00101000, 0x00101010, 0x10000000, 0x10000010, 0x10001000, 0x10001010,
+                                             0x10100000, 0x10100010, 0x10101000, 0x10101010);
     __m512 acc[FAST_PASS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t *g = w + n / FAST_ROWS * blocks * bytes;
     for (int64_t b = 0; b < blocks; ++b, g += bytes) {
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
-        const __m512 mw = FMT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * FAST_ROWS)))
-                                      : _mm512_setzero_ps();
+        const __m512 mw = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * FAST_ROWS)))
+                                : _mm512_setzero_ps();
         __m512i q[8];
         if (FMT == Q8_0) {
             for (int i = 0; i < 8; ++i) q[i] = _mm512_loadu_si512(g + head + 64 * i);
-        } else {
+        } else { /* step i: bytes 4i .. 4i + 3 of each row's nibbles, weights 4i .. and 16 + 4i .. */
+            const __m512i qh = has_qh ? _mm512_loadu_si512(g + qh_at) : _mm512_setzero_si512();
             for (int i = 0; i < 4; ++i) {
                 const __m512i v = _mm512_loadu_si512(g + head + 64 * i);
                 q[2 * i] = _mm512_and_si512(v, nib);
                 q[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                if (has_qh) {
+                    q[2 * i] = _mm512_or_si512(q[2 * i], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * i), spread));
+                    q[2 * i + 1] = _mm512_or_si512(q[2 * i + 1],
+                                                   _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 16 + 4 * i), spread));
+                }
             }
         }
         for (int r = 0; r < R; ++r) {
@@ -216,10 +231,10 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
                 }
             }
             __m512i dot = _mm512_add_epi32(s0, s1);
-            if (FMT != Q4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32((FMT == Q8_0 ? 128 : 8) * a[r].sq[b]));
+            if (!has_m) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32((FMT == Q8_0 ? 128 : FMT == Q5_0 ? 16 : 8) * a[r].sq[b]));
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a[r].da[b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-            if (FMT == Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].s[b]), acc[r]);
+            if (has_m) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].s[b]), acc[r]);
         }
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
@@ -242,7 +257,8 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
                 }                                                                                           \
             }                                                                                               \
     }
-FAST_DRIVER(Q8_0) FAST_DRIVER(Q4_0) FAST_DRIVER(Q4_1) FAST_DRIVER(Q4_K) FAST_DRIVER(Q6_K)
+FAST_DRIVER(Q8_0) FAST_DRIVER(Q4_0) FAST_DRIVER(Q4_1) FAST_DRIVER(Q5_0) FAST_DRIVER(Q5_1) FAST_DRIVER(Q4_K)
+FAST_DRIVER(Q6_K)
 #endif
 
 /* threads <= 0: one thread for one row below FAST_PARALLEL_MIN_BYTES of weight, else every
@@ -274,6 +290,8 @@ int specray_quant_fast_gemv(int ggml_type, const float *x, const uint8_t *w, con
     if (f == Q8_0) fast_Q8_0(a, w, bias, y, M, N, K, threads);
     else if (f == Q4_0) fast_Q4_0(a, w, bias, y, M, N, K, threads);
     else if (f == Q4_1) fast_Q4_1(a, w, bias, y, M, N, K, threads);
+    else if (f == Q5_0) fast_Q5_0(a, w, bias, y, M, N, K, threads);
+    else if (f == Q5_1) fast_Q5_1(a, w, bias, y, M, N, K, threads);
     else if (f == Q4_K) fast_Q4_K(a, w, bias, y, M, N, K, threads);
     else fast_Q6_K(a, w, bias, y, M, N, K, threads);
     if (need > FAST_STACK_BYTES) free(a);

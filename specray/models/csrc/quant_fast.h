@@ -7,12 +7,11 @@
 
 #define FAST_ROWS 16 /* output rows per group: one 512-bit vector of int32 or float lanes */
 
-/* quant_formats.h's index of a format with a fast kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); -1 for
- * any other type. */
+/* quant_formats.h's index of a format with a fast kernel (all but BF16); -1 for any other type. */
 static inline int fast_format(int ggml_type) {
     for (int f = 0; f < NUM_FORMATS; ++f)
         if (FORMATS[f].ggml_type == ggml_type)
-            return f == Q8_0 || f == Q4_0 || f == Q4_1 || f == Q4_K || f == Q6_K ? f : -1;
+            return f != BF16 ? f : -1;
     return -1;
 }
 

@@ -11,6 +11,9 @@
  *   Q8_0: d | 32 quants (+128)                                   -> d at 0, step i at 32 + 64 i
  *   Q4_0: d | 16 nibble bytes                                     -> d at 0, step i at 32 + 64 i
  *   Q4_1: d | m | 16 nibble bytes                                 -> d 0, m 32, step i at 64 + 64 i
+ *   Q5_0: d | qh (4 bytes: one unit) | 16 nibble bytes            -> d 0, qh 32, step i at 96 + 64 i
+ *   Q5_1: d | m | qh | 16 nibble bytes                            -> d 0, m 32, qh 64, step i at
+ *         128 + 64 i
  *   Q4_K: d | dmin | 12 scale bytes | 128 nibble bytes             -> d 0, dmin 32, scale byte s at
  *         64 + 16 s, step i at 256 + 64 i (sub-blocks 2p and 2p + 1 share steps 8p .. 8p + 7)
  *   Q6_K: d (bytes 208..) | 16 int8 scales (192..) | then per half h of 128 weights, in the order
@@ -37,6 +40,8 @@ static const struct {
     [Q8_0] = {2, {{0, 2, 2, 0}, {2, 32, 4, 0x80}}},
     [Q4_0] = {2, {{0, 2, 2, 0}, {2, 16, 4, 0}}},
     [Q4_1] = {3, {{0, 2, 2, 0}, {2, 2, 2, 0}, {4, 16, 4, 0}}},
+    [Q5_0] = {3, {{0, 2, 2, 0}, {2, 4, 4, 0}, {6, 16, 4, 0}}},
+    [Q5_1] = {4, {{0, 2, 2, 0}, {2, 2, 2, 0}, {4, 4, 4, 0}, {8, 16, 4, 0}}},
     [Q4_K] = {4, {{0, 2, 2, 0}, {2, 2, 2, 0}, {4, 12, 1, 0}, {16, 128, 4, 0}}},
     [Q6_K] = {6, {{208, 2, 2, 0}, {192, 16, 1, 0}, {128, 32, 4, 0}, {0, 64, 4, 0}, {160, 32, 4, 0}, {64, 64, 4, 0}}},
 };
