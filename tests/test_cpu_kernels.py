@@ -347,3 +347,42 @@ def test_block_attention_matches_the_torch_path(context_lens, block_size, kernel
     without_block = kernels.block_attention(q, pool, tables, lens, torch.full((seqs,), m), torch.arange(0, seqs * m, m),
                                             k[:0], v[:0], 0.125)
     assert not torch.allclose(without_block, fast, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 33, 1000, 49152 + 3])
+def test_argmax_rows_is_torchs_argmax(n, kernels):
+    # greedy sampling and verification take these indices, so they must be torch's exactly: the
+    # first of equal maxima (-0.0 equals +0.0) and the first NaN, wherever it sits (the 16 lanes,
+    # the vector part, the tail)
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=gen), torch.full((n,), float("-inf")), torch.zeros(n)]
+    tied = torch.randn(n, generator=gen)
+    tied[torch.randperm(n, generator=gen)[: max(1, n // 7)]] = 9.0  # many equal maxima, the first wins
+    rows.append(tied)
+    signed_zero = torch.full((n,), -1.0)
+    signed_zero[n // 2:] = 0.0
+    signed_zero[n // 3] = -0.0
+    rows.append(signed_zero)
+    for at in {0, n // 2, n - 1, min(n - 1, 20)}:  # a NaN (and one later) outranks every number
+        with_nan = torch.randn(n, generator=gen)
+        with_nan[at] = float("nan")
+        with_nan[(at + n // 3 + 1) % n if (at + n // 3 + 1) % n > at else at] = float("nan")
+        rows.append(with_nan)
+    logits = torch.stack(rows)
+    assert kernels.argmax_rows(logits) == logits.argmax(-1).tolist()
+    if n > 16:  # where lanes matter: the maximum in each lane position and in the tail
+        for at in range(max(0, n - 20), n):
+            row = torch.zeros(1, n)
+            row[0, at] = 1.0
+            assert kernels.argmax_rows(row) == [at]
+
+
+def test_sampling_takes_the_kernels_argmax(kernels, monkeypatch):
+    from specray.workers import sampling
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    calls = []
+    monkeypatch.setattr(type(kernels), "argmax_rows", lambda self, x: calls.append(x.shape) or x.argmax(-1).tolist())
+    logits = torch.randn(3, 100)
+    assert sampling.argmax_rows(logits) == logits.argmax(-1).tolist() and calls == [(3, 100)]
+    assert sampling.argmax_rows(logits.t()[:3]) == logits.t()[:3].argmax(-1).tolist()  # not contiguous: torch's
+    assert calls == [(3, 100)]

@@ -109,6 +109,9 @@ class CpuKernels(FusedLayerKernels):
         self._norm_heads = lib.specray_rms_norm_heads
         self._norm_heads.argtypes = [ptr] * 2 + [i64] * 5 + [f32]
         self._norm_heads.restype = None
+        self._argmax = lib.specray_argmax_rows
+        self._argmax.argtypes = [ptr, i64, i64, ptr]
+        self._argmax.restype = None
         self._attn = lib.specray_paged_attention
         self._attn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [f32, ctypes.c_int, ptr]
         self._attn.restype = None
@@ -195,6 +198,14 @@ class CpuKernels(FusedLayerKernels):
         row of a contiguous [rows, heads * dim] fused projection (Qwen3's q_norm / k_norm)."""
         rows = x.shape[0]
         self._norm_heads(x.data_ptr(), weight.data_ptr(), rows, x.numel() // (rows * dim), first, count, dim, eps)
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """``logits.argmax(-1).tolist()`` of a contiguous float32 [rows, n] tensor (n >= 1): the
+        same indices (the first maximum; the first NaN where there is one), one pass over each row."""
+        rows, n = logits.shape
+        out = (ctypes.c_int64 * rows)()
+        self._argmax(logits.data_ptr(), rows, n, out)
+        return list(out)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a contiguous float32 [rows, 2 * inter] fused projection (the fused

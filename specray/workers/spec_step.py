@@ -30,7 +30,7 @@ import torch
 
 from specray.workers.logprobs import compute_prompt_logprobs
 from specray.workers.plan import StepPlan
-from specray.workers.sampling import probabilities, sample
+from specray.workers.sampling import argmax_rows, argmax_tensor, probabilities, sample
 from specray.workers.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
 from specray.models.attention import build_metadata
 from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq
@@ -194,7 +194,7 @@ class SpecRunner:
         probs: dict[int, list[torch.Tensor]] = {}
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
-            tokens = logits.argmax(-1)
+            tokens = argmax_tensor(logits)
             for r, sid in enumerate(sids):
                 params, gen = w.samplers[sid]
                 if not params.is_greedy:
@@ -264,7 +264,7 @@ class SpecRunner:
             n = forced_num_emitted(self.force, len(drafts), gen) - 1
             return drafts[:n] + [sample(logits[n], params, gen)]
         if params.is_greedy:
-            argmax = logits.argmax(-1).tolist()
+            argmax = argmax_rows(logits)
             n = accept_greedy(argmax, drafts)
             return drafts[:n] + [argmax[n]]
         p = probabilities(logits, params)
