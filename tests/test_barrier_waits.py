@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from specray.workers.barrier_waits import (MAX_HOLD_S, MIN_HOLD_S, BarrierWaits, ParkedPool, WaitChooser,
+from specray.workers.barrier_waits import (MAX_HOLD_S, MIN_HOLD_S, WINDOW_S, BarrierWaits, ParkedPool, WaitChooser,
                                            barrier_policy)
 
 
@@ -105,3 +105,30 @@ def test_no_choice_where_a_spare_cpu_absorbs_the_competition(monkeypatch):
     assert BarrierWaits.for_device(torch.device("cpu")) is None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     assert BarrierWaits.for_device(torch.device("meta")) is None
+
+
+def test_auto_reads_the_run_queue_wait_once_per_window_of_steps(monkeypatch):
+    # reading schedstat cost ~25 us a read in the stepping thread: steps are observed in windows of
+    # WINDOW_S, each read twice, and the chooser sees the window's step time (not the gaps between)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    monkeypatch.setenv("SPECRAY_CPU_BARRIER_WAITS", "auto")
+    waits = BarrierWaits.for_device(torch.device("cpu"))
+    reads, seen = [], []
+    monkeypatch.setattr(waits, "_wait_ns", lambda: reads.append(1) or 10_000_000 * len(reads))
+    monkeypatch.setattr(WaitChooser, "observe", lambda self, now, wall, wait: seen.append((wall, wait)) or False)
+    try:
+        for _ in range(5):  # quick steps: one window, opened by the first
+            waits.begin()
+            waits.end()
+        assert len(reads) == 1 and not seen
+        time.sleep(WINDOW_S)  # a gap between steps is not step time
+        waits.begin()
+        time.sleep(0.002)
+        waits.end()
+        assert len(reads) == 2 and len(seen) == 1
+        wall, wait = seen[0]
+        assert 0.002 <= wall < WINDOW_S and wait == 0.01  # 10 ms more run-queue wait at the second read
+        waits.begin()  # the next window opens with a read of its own
+        assert len(reads) == 3
+    finally:
+        waits.close()

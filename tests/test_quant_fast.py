@@ -226,7 +226,8 @@ def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
     with pytest.raises(ValueError, match=r"no fast layout for Q4_1 \(40, 64\).*multiple of 16"):
         kernels.quant.fast_repack(blocks, QType.Q4_1, (40, 64))
     bf16 = torch.zeros(16, 2 * 64, dtype=torch.uint8)  # BF16 keeps its exact kernel in fast mode
-    with pytest.raises(ValueError, match=r"no fast layout for BF16 .* it takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K"):
+    takes = r"it takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K"
+    with pytest.raises(ValueError, match=r"no fast layout for BF16 .* " + takes):
         kernels.quant.fast_repack(bf16, QType.BF16, (16, 64))
     assert not kernels.quant.has_fast_kernel(QType.BF16) and kernels.quant.has_fast_kernel(QType.Q8_0)
     packed = kernels.quant.fast_repack(torch.from_numpy(random_blocks(QType.Q4_1, 16, 64, seed=0)), QType.Q4_1, (16, 64))
@@ -234,6 +235,9 @@ def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
         kernels.quant.fast_gemv(torch.randn(1, 64), packed, QType.Q4_1, (16, 64), bias=torch.zeros(8))
     with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[rows >= 1, 64\]"):
         kernels.quant.fast_gemv(torch.randn(0, 64), packed, QType.Q4_1, (16, 64))
+    for bad in ([16], [0, -1]):  # a lookup outside the rows is refused, not read past the weight
+        with pytest.raises(ValueError, match=r"row ids must be in \[0, 16\)"):
+            kernels.quant.fast_rows(packed, QType.Q4_1, (16, 64), torch.tensor(bad))
 
 
 @pytest.fixture(scope="module")

@@ -133,8 +133,10 @@ class QuantGemv:
         """float32 rows ``ids`` of a repacked weight: the dequantized values (an embedding lookup)."""
         n, k = shape
         ids = ids.reshape(-1).to(torch.int64).contiguous()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            raise ValueError(f"row ids must be in [0, {n})")
+        if ids.numel():
+            low, high = (int(v) for v in ids.aminmax())  # one op, not min and max
+            if low < 0 or high >= n:
+                raise ValueError(f"row ids must be in [0, {n})")
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
         rc = self._fast_rows(int(ggml_type), packed.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
         if rc:

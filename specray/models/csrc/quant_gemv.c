@@ -254,6 +254,10 @@ int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const fl
  * from the same dequantize() the GEMV runs (prefill's weight panels, quant_weight.py), the
  * rows split over threads. Returns 0; -2 for a type without a kernel, -3 when K is not a
  * multiple of the block size. */
+/* Fewer weights than this dequantize on the calling thread: a decode step's embedding row (one
+ * row, ~1 us of work) took ~50 us inside the engine when it woke the OpenMP team (12-07). */
+#define DEQUANTIZE_PARALLEL_MIN (64 * 1024)
+
 /* One block as stored (32 weights, or a K-quant's super-block of 256) into o. */
 static inline __attribute__((always_inline)) void dequantize_block(int FMT, const uint8_t *b, float *o) {
 #if defined(__AVX512F__)
@@ -284,7 +288,7 @@ static inline __attribute__((always_inline)) void dequantize_block(int FMT, cons
     static void dequantize_##FMT(const uint8_t *w, float *out, int64_t N, int64_t K) {               \
         const int64_t per_block = FORMATS[FMT].block_weights, bytes = FORMATS[FMT].block_bytes;      \
         const int64_t row_bytes = K / per_block * bytes;                                             \
-        _Pragma("omp parallel for schedule(static)")                                                 \
+        _Pragma("omp parallel for schedule(static) if (N * K >= DEQUANTIZE_PARALLEL_MIN)")           \
         for (int64_t n = 0; n < N; ++n)                                                              \
             for (int64_t k = 0; k < K; k += per_block)                                               \
                 dequantize_block(FMT, w + n * row_bytes + k / per_block * bytes, out + n * K + k);   \
