@@ -209,10 +209,11 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
                 const __m512i v = _mm512_loadu_si512(g + head + 64 * i);
                 q[2 * i] = _mm512_and_si512(v, nib);
                 q[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                if (has_qh) {
-                    q[2 * i] = _mm512_or_si512(q[2 * i], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * i), spread));
-                    q[2 * i + 1] = _mm512_or_si512(q[2 * i + 1],
-                                                   _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 16 + 4 * i), spread));
+                if (has_qh) { /* weights 4i .. 4i + 3 take qh's bits 4i .., weights 16 + 4i .. bits 16 + 4i .. */
+                    const __m512i low_bits = _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * i), spread);
+                    const __m512i high_bits = _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 16 + 4 * i), spread);
+                    q[2 * i] = _mm512_or_si512(q[2 * i], low_bits);
+                    q[2 * i + 1] = _mm512_or_si512(q[2 * i + 1], high_bits);
                 }
             }
         }
@@ -231,7 +232,8 @@ static inline __attribute__((always_inline)) void fast_group(int FMT, int R, con
                 }
             }
             __m512i dot = _mm512_add_epi32(s0, s1);
-            if (!has_m) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32((FMT == Q8_0 ? 128 : FMT == Q5_0 ? 16 : 8) * a[r].sq[b]));
+            const int zero = FMT == Q8_0 ? 128 : FMT == Q5_0 ? 16 : 8; /* the weights' offset (not Q4_1, Q5_1) */
+            if (!has_m) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(zero * a[r].sq[b]));
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a[r].da[b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             if (has_m) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].s[b]), acc[r]);

@@ -134,8 +134,9 @@ static inline __attribute__((always_inline)) void nibbles_from_tables(const uint
 
 /* A K-quant super-block made ready once per row (the driver keeps one per row of w for its 8
  * chunks): Q4_K's 8 sub-blocks' d * sc (scale[0..7]) and -(dmin * m) (scale[8..15]); Q6_K's
- * 16 sub-blocks' d * sc and its 256 values q - 32 in chunk order. Vector ops throughout: done one scale at a time, the
- * scales took about as long as the chunks (exact Q4_K read 11.5 GB/s against Q4_1's 21). */
+ * 16 sub-blocks' d * sc and its 256 values q - 32 in chunk order. Vector ops throughout: done
+ * one scale at a time, the scales took about as long as the chunks (exact Q4_K read 11.5 GB/s
+ * against Q4_1's 21). */
 typedef struct {
     float scale[16];
     int8_t q[256]; /* Q6_K only */
