@@ -315,6 +315,31 @@ def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, capl
     assert torch.isfinite(y).all() and y.abs().max() > 0
 
 
+def test_q5_weights_run_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
+    # Q5_0 gate/up and Q5_1 down are repacked at load and run on their fast kernels; an MLP whose
+    # fifth bits were wired wrong would decorrelate from the exact kernels' (cosine far below 1)
+    from checkpoints import make_checkpoint
+    from gguf_files import write_gguf
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.ffn_down.weight": QType.Q5_1 for i in range(2)}
+    types.update({f"blk.{i}.ffn_{p}.weight": QType.Q5_0 for i in range(2) for p in ("gate", "up")})
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("exact", "fast"):
+        monkeypatch.setenv("SPECRAY_CPU_QUANT", mode)
+        model = load_model(path, DistContext.single(), "float32")
+        mlp = model.layers[1].mlp
+        assert {mlp.gate_up.weight.type_name, mlp.down.weight.type_name} == {"Q5_0", "Q5_1"}
+        assert mlp.gate_up.weight.is_fast == mlp.down.weight.is_fast == (mode == "fast")
+        with torch.inference_mode():
+            out[mode] = mlp(x).flatten()
+    assert not torch.equal(out["fast"], out["exact"])
+    assert float(torch.cosine_similarity(out["fast"], out["exact"], dim=0)) > 0.99
+
+
 def test_a_k_quant_mix_runs_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
     # a Q4_K_M-style mix (Q4_K layers, Q6_K down, one v, one up and the embedding): every weight
     # repacked, including the parts of mixed fused weights; a verify row keeps the decode step's
