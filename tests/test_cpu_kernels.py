@@ -366,10 +366,13 @@ def test_argmax_rows_is_torchs_argmax(n, kernels):
     for at in {0, n // 2, n - 1, min(n - 1, 20)}:  # a NaN (and one later) outranks every number
         with_nan = torch.randn(n, generator=gen)
         with_nan[at] = float("nan")
-        with_nan[(at + n // 3 + 1) % n if (at + n // 3 + 1) % n > at else at] = float("nan")
+        if at + n // 3 + 1 < n:
+            with_nan[at + n // 3 + 1] = float("nan")
         rows.append(with_nan)
     logits = torch.stack(rows)
     assert kernels.argmax_rows(logits) == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"contiguous float32 \[rows, n >= 1\] logits, not torch.float32 \(2, 0\)"):
+        kernels.argmax_rows(torch.zeros(2, 0))
     if n > 16:  # where lanes matter: the maximum in each lane position and in the tail
         for at in range(max(0, n - 20), n):
             row = torch.zeros(1, n)

@@ -203,6 +203,9 @@ class CpuKernels(FusedLayerKernels):
         """``logits.argmax(-1).tolist()`` of a contiguous float32 [rows, n] tensor (n >= 1): the
         same indices (the first maximum; the first NaN where there is one), one pass over each row."""
         rows, n = logits.shape
+        if n < 1 or logits.dtype != torch.float32 or not logits.is_contiguous():  # the C loop reads x[0] of each row
+            raise ValueError(f"argmax_rows takes contiguous float32 [rows, n >= 1] logits, not {logits.dtype} "
+                             f"{tuple(logits.shape)}{'' if logits.is_contiguous() else ' (not contiguous)'}")
         out = (ctypes.c_int64 * rows)()
         self._argmax(logits.data_ptr(), rows, n, out)
         return list(out)
