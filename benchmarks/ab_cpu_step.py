@@ -31,7 +31,8 @@ from specray.models.loader import load_model
 from specray.models.presets import resolve_model
 
 LABELS = ("decode x1", "verify 1x4", "verify 1x6")
-# the entry points a fused step calls, which every revision since issue 18 exports with these signatures
+# the entry points a fused step calls, which every revision since 2026-12-07's RoPE by positions
+# exports with these signatures and step table (an older --base reads the table differently)
 ENTRY_POINTS = {"_gemm": "specray_small_gemm", "_panel": "specray_panel_gemm", "_norm": "specray_rms_norm",
                 "_attn": "specray_paged_attention", "_rope": "specray_rope_store_kv",
                 "_attn_block": "specray_attention_block", "_mlp_block": "specray_mlp_block",

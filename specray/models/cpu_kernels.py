@@ -123,7 +123,7 @@ class CpuKernels(FusedLayerKernels):
         self._silu.argtypes = [ptr] * 2 + [i64] * 2
         self._silu.restype = None
         self._rope = lib.specray_rope_store_kv
-        self._rope.argtypes = [ptr] * 3 + [i64] * 4 + [ptr] * 4 + [i64]
+        self._rope.argtypes = [ptr] * 4 + [i64] * 4 + [ptr] * 4 + [i64]
         self._rope.restype = None
         self._attn_block = lib.specray_attention_block
         self._attn_block.argtypes = [ptr] * 3 + [f32, f32] + [ptr] * 4
@@ -240,7 +240,7 @@ class CpuKernels(FusedLayerKernels):
         rows, dim = qkv.shape[0], pool.shape[4] if pool is not None else cos.shape[-1]
         q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
         k = torch.empty(rows, kv_heads, dim, dtype=qkv.dtype)
-        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, kv_heads, dim, q.data_ptr(),
+        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), None, rows, heads, kv_heads, dim, q.data_ptr(),
                    k.data_ptr(), _ptr(pool), _ptr(slots), pool.shape[3] if pool is not None else 1)
         return q, k
 

@@ -229,12 +229,12 @@ class CausalLM(nn.Module):
         ``(hidden, captured)``: ``captured[i]`` is the residual stream after layer
         ``capture_layers[i]``. ``pools`` may hold more layers than the model (a one-model
         drafter's layers come last); the model uses the first ``num_layers``."""
-        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         x = self.embed_tokens(ids)
         kernels = fused_kernels(self, x, pools, meta) if self.is_fused else None
         if kernels is not None:  # decode and verify on CPU: Python once per step (fused_decode.py)
-            x, captured_list = fused_layers(self, kernels, x, cos, sin, pools, meta, capture_layers)
+            x, captured_list = fused_layers(self, kernels, x, positions, pools, meta, capture_layers)
             return (self.norm(x), captured_list) if capture_layers else self.norm(x)
+        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         captured = {}
         for i, (layer, pool) in enumerate(zip(self.layers, pools)):
             x = layer(x, cos, sin, pool, meta)

@@ -32,6 +32,8 @@ from specray.models.quant_weight import FusedQuantWeight, QuantWeight
 # the order of fused_layer.c's layer enum: 9 addresses, 4 weights' GGML types, then the further
 # parts of a fused q/k/v or gate/up whose parts have different types (FusedQuantWeight)
 NUM_LAYER_PTRS = 22
+# fused_layer.c's step enum: the RoPE tables, positions, slots and the paged-attention tables
+NUM_STEP_PTRS = 8
 
 
 def fused_layers_enabled() -> bool:
@@ -134,22 +136,24 @@ def _weights_served(model, kernels: CpuKernels) -> bool:
     return cached
 
 
-def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, positions: torch.Tensor,
                  pools: list[torch.Tensor], meta: AttentionMetadata,
                  capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(the residual stream after the last layer, updated in place in x; a copy of it after each
     layer of ``capture_layers``, in that order: a drafter's features)."""
     arch, first = model.arch, model.layers[0]
     pools = pools[: arch.num_layers]
-    block_size = pools[0].shape[3]
     tables, context_lens, query_lens, q_starts = step_plan(meta, x, pools[0]).kernel_args
-    cos, sin = cos.contiguous(), sin.contiguous()
-    step = torch.tensor([_addr(t) for t in (cos, sin, meta.slot_mapping, tables, context_lens, query_lens, q_starts)],
-                        dtype=torch.int64)
+    cos, sin = model.rotary.tables(max(meta.context_lens_list))  # the kernel reads row positions[r]
+    positions = positions.to(torch.int64).contiguous()
     attn = first.self_attn
-    shape = torch.tensor([x.shape[0], arch.hidden_size, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim,
-                          first.mlp.down.in_shard, block_size, tables.shape[0], tables.shape[1], int(meta.causal)],
-                         dtype=torch.int64)
+    # the step's addresses and shape in one tensor (a tensor costs ~7 us in a step), as two views
+    args = torch.tensor([_addr(t) for t in (cos, sin, positions, meta.slot_mapping, tables, context_lens, query_lens,
+                                            q_starts)]
+                        + [x.shape[0], arch.hidden_size, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim,
+                           first.mlp.down.in_shard, pools[0].shape[3], tables.shape[0], tables.shape[1],
+                           int(meta.causal)], dtype=torch.int64)
+    step, shape = args[:NUM_STEP_PTRS], args[NUM_STEP_PTRS:]
     table = _layer_table(model, pools)
     eps, scale = arch.rms_norm_eps, attn.scale
     group = attn.o_proj.group

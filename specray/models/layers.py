@@ -151,9 +151,15 @@ class RotaryEmbedding:
     def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``end``: one past the largest position, which callers know from their metadata (so
         no device value is read back on the hot path)."""
+        cos, sin = self.tables(end)
+        return cos[positions], sin[positions]
+
+    def tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables, [size, head_dim] with size >= ``end`` (a kernel that
+        reads a row per position itself)."""
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0]))
-        return self.cos[positions], self.sin[positions]
+        return self.cos, self.sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

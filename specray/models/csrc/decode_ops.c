@@ -305,17 +305,20 @@ void specray_paged_attention(const float *q, const float *pool, const int64_t *b
 }
 
 /* RoPE (rotate-half convention) of q and k, and the store of k and v into the pool, in one
- * pass over a fused qkv projection row [q heads | k heads | v heads] x dim per token.
+ * pass over a fused qkv projection row [q heads | k heads | v heads] x dim per token. cos and
+ * sin hold one row per token, or with positions the whole tables, row positions[r] for token r
+ * (the fused layers: no gather of the step's rows before the call).
  * out = x * cos + rotate_half(x) * sin, with the product and the sum rounded separately as
  * torch (and transformers) compute it: no fused multiply-add here. */
 __attribute__((optimize("fp-contract=off")))
-void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
-                           int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
-                           const int64_t *slots, int64_t block_size) {
+void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, float *q_out, float *k_out,
+                           float *pool, const int64_t *slots, int64_t block_size) {
     const int64_t half = dim / 2, row_size = (heads + 2 * kv_heads) * dim;
     const int64_t page = 2 * kv_heads * block_size * dim;
     for (int64_t r = 0; r < rows; ++r) {
-        const float *x = qkv + r * row_size, *c = cos + r * dim, *s = sin + r * dim;
+        const int64_t at = positions ? positions[r] : r;
+        const float *x = qkv + r * row_size, *c = cos + at * dim, *s = sin + at * dim;
         const int64_t block = pool ? slots[r] / block_size : 0, offset = pool ? slots[r] % block_size : 0;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
             const float *xh = x + h * dim;

@@ -23,9 +23,9 @@ void specray_rms_norm(const float *x, const float *weight, float *y, int64_t row
 int specray_small_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int specray_quant_gemv(int ggml_type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int threads);
-void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
-                           int64_t kv_heads, int64_t dim, float *q_out, float *k_out, float *pool,
-                           const int64_t *slots, int64_t block_size);
+void specray_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, float *q_out, float *k_out,
+                           float *pool, const int64_t *slots, int64_t block_size);
 void specray_silu_mul(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void specray_paged_attention(const float *q, const float *pool, const int64_t *block_tables, int64_t width,
                              const int64_t *context_lens, const int64_t *query_lens, const int64_t *q_starts,
@@ -42,8 +42,9 @@ enum { INPUT_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GATE_UP_W, DOWN_W, POOL,
        QKV_N1, QKV_N2, QKV_W2, QKV_T2, QKV_W3, QKV_T3, GATE_UP_N1, GATE_UP_W2, GATE_UP_T2, NUM_LAYER_PTRS };
 /* The step's shape. */
 enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SEQS, WIDTH, CAUSAL, NUM_SHAPE };
-/* The step's metadata, as addresses: cos, sin [ROWS, HEAD_DIM] float; the rest int64. */
-enum { COS, SIN, SLOTS, BLOCK_TABLES, CONTEXT_LENS, QUERY_LENS, Q_STARTS, NUM_STEP_PTRS };
+/* The step's metadata, as addresses: the RoPE tables cos, sin [positions, HEAD_DIM] float, row
+ * POSITIONS[r] for row r; the rest int64. */
+enum { COS, SIN, POSITIONS, SLOTS, BLOCK_TABLES, CONTEXT_LENS, QUERY_LENS, Q_STARTS, NUM_STEP_PTRS };
 
 #define F(p) ((float *)(intptr_t)(p))
 
@@ -135,8 +136,8 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
     TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
-        specray_rope_store_kv(qkv, F(step[COS]), F(step[SIN]), M, heads, kv, dim, q, k, pool,
-                              (const int64_t *)step[SLOTS], shape[BLOCK_SIZE]);
+        specray_rope_store_kv(qkv, F(step[COS]), F(step[SIN]), (const int64_t *)step[POSITIONS], M, heads, kv, dim,
+                              q, k, pool, (const int64_t *)step[SLOTS], shape[BLOCK_SIZE]);
         TOCK(P_ROPE);
         specray_paged_attention(q, pool, (const int64_t *)step[BLOCK_TABLES], shape[WIDTH],
                                 (const int64_t *)step[CONTEXT_LENS], (const int64_t *)step[QUERY_LENS],
