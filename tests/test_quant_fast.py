@@ -236,7 +236,7 @@ def test_shapes_and_types_without_a_fast_layout_are_refused(kernels):
     with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[rows >= 1, 64\]"):
         kernels.quant.fast_gemv(torch.randn(0, 64), packed, QType.Q4_1, (16, 64))
     for bad in ([16], [0, -1]):  # a lookup outside the rows is refused, not read past the weight
-        with pytest.raises(ValueError, match=r"row ids must be in \[0, 16\)"):
+        with pytest.raises(ValueError, match=rf"row ids must be in \[0, 16\): got {bad[-1]}"):
             kernels.quant.fast_rows(packed, QType.Q4_1, (16, 64), torch.tensor(bad))
 
 

@@ -160,7 +160,7 @@ def test_the_format_table(kernels):
     for ggml_type, (block_bytes, _) in LAYOUTS.items():  # the C table agrees with gguf's
         assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type] == (32, block_bytes)
     assert kernels.quant.block_layout(QType.BF16) == (32, 64)  # 32 weights at a time (GGUF: 1 weight, 2 bytes)
-    for ggml_type in K_QUANTS:  # super-blocks of 256, as gguf says
+    for ggml_type in [*K_QUANTS, QType.MXFP4]:  # super-blocks of 256; MXFP4's 1 + 16 bytes; as gguf says
         assert kernels.quant.block_layout(ggml_type) == quants.GGML_QUANT_SIZES[ggml_type]
     assert not kernels.quant.has_kernel(QType.Q5_K)
 
@@ -228,3 +228,58 @@ def test_the_k_quant_edge_cases_are_in_the_blocks():
     scales = np.concatenate([random_k_blocks(t, 37, 1536, seed=3).reshape(37, 6, -1)[..., o:o + 2]
                              .copy().view(np.float16).ravel() for t, offs in K_QUANTS.items() for o in offs])
     assert (scales == 0).any() and ((np.abs(scales) > 0) & (np.abs(scales) < 2.0 ** -14)).any()
+
+
+# MXFP4: an E8M0 exponent byte (the scale 2^(e - 128), subnormal for e < 2) and 16 bytes of 4-bit
+# codes; the edge exponents, in the first block of rows 1..: both subnormal scales, the smallest
+# normal one, 1 and 2, and the largest whose products (12 x 2^124) stay finite
+MXFP4_EDGE_EXPONENTS = [0, 1, 2, 128, 129, 252]
+
+
+def random_mxfp4_blocks(n: int, k: int, seed: int, max_exponent: int = 150) -> np.ndarray:
+    """Random MXFP4 blocks: exponents up to ``max_exponent`` (past ~150 a GEMV's sums overflow to
+    inf, whose NaNs compare unequal), random codes, every code in the first block of every row,
+    and MXFP4_EDGE_EXPONENTS below ``max_exponent`` in rows 1.."""
+    gen = np.random.default_rng(seed)
+    blocks = gen.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+    blocks[..., 0] = gen.integers(0, max_exponent + 1, (n, k // 32), dtype=np.uint8)
+    blocks[:, 0, 1:] = np.arange(16, dtype=np.uint8) * 17  # every code, low and high nibble
+    edges = [e for e in MXFP4_EDGE_EXPONENTS if e <= max_exponent]
+    blocks[1:1 + len(edges), 0, 0] = edges[: n - 1]
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("k_blocks", K_BLOCKS)
+def test_mxfp4_gemv_is_small_gemm_on_the_dequantized_weight(k_blocks, kernels):
+    n, k = 37, 32 * k_blocks
+    blocks = random_mxfp4_blocks(n, k, seed=k_blocks)
+    dense = kernels.quant.dequantize(torch.from_numpy(blocks), QType.MXFP4, (n, k))  # prefill's panels
+    assert torch.equal(dense, torch.from_numpy(quants.dequantize(blocks, QType.MXFP4)))
+    assert_gemv_is_small_gemm(kernels, blocks, QType.MXFP4, n, k, seed=k_blocks)
+
+
+def test_mxfp4_edge_scales_dequantize_as_gguf_does(kernels):
+    blocks = random_mxfp4_blocks(8, 64, seed=3, max_exponent=252)
+    weight = quants.dequantize(blocks, QType.MXFP4)
+    assert np.isfinite(weight).all() and weight[1, 1] != 0 and abs(weight[1, 1]) < 2.0 ** -126  # subnormal
+    assert np.abs(weight[6]).max() == 12 * 2.0 ** 124  # the largest finite scale, the largest code
+    got = kernels.quant.dequantize(torch.from_numpy(blocks), QType.MXFP4, (8, 64))
+    assert torch.equal(got, torch.from_numpy(weight))
+
+
+@pytest.mark.parametrize("ggml_type", [*LAYOUTS, *K_QUANTS, QType.MXFP4], ids=lambda t: t.name)
+def test_row_lookups_are_ggufs_rows(ggml_type, kernels):
+    """An embedding lookup on a weight in GGUF rows: gguf's values, in the order asked, repeats
+    included; an id outside the rows is refused with its value, nothing read past the weight."""
+    n, k = 37, 512
+    if ggml_type == QType.MXFP4:
+        blocks = random_mxfp4_blocks(n, k, seed=5)
+    else:
+        blocks = (random_k_blocks if ggml_type in K_QUANTS else random_blocks)(ggml_type, n, k, seed=5)
+    ids = torch.tensor([0, 36, 1, 17, 1, 0])
+    got = kernels.quant.rows(torch.from_numpy(blocks), ggml_type, (n, k), ids)
+    assert torch.equal(got, torch.from_numpy(quants.dequantize(blocks[ids.numpy()], ggml_type)))
+    assert kernels.quant.rows(torch.from_numpy(blocks), ggml_type, (n, k), ids[:0]).shape == (0, k)
+    for bad in ([37], [3, -1]):
+        with pytest.raises(ValueError, match=rf"row ids must be in \[0, 37\): got {bad[-1]}"):
+            kernels.quant.rows(torch.from_numpy(blocks), ggml_type, (n, k), torch.tensor(bad))

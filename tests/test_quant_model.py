@@ -262,6 +262,24 @@ def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(
     _assert_prefill_and_decode_equal(quant, _load(path, "0", monkeypatch))
 
 
+def test_mxfp4_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
+    # MXFP4 (gpt-oss quantizes its experts so): the MLP matrices in E8M0-scaled E2M1 blocks,
+    # Q8_0 around them; exact mode bit for bit the dequantized model's; fast mode keeps MXFP4 on
+    # its exact kernel (no int8 one), as BF16
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    types = {f"blk.{i}.{name}.weight": QType.MXFP4 if name.startswith("ffn") else QType.Q8_0
+             for i in range(2) for name in LAYERS}
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    quant = _load(path, "exact", monkeypatch)
+    assert {w.type_name for w in quantized_weights(quant)} == {"MXFP4", "Q8_0"}
+    assert quant.layers[0].mlp.down.weight.type_name == "MXFP4"
+    _assert_prefill_and_decode_equal(quant, _load(path, "0", monkeypatch))
+    fast = _load(path, "fast", monkeypatch)
+    assert not fast.layers[0].mlp.down.weight.is_fast and fast.layers[0].self_attn.o_proj.weight.is_fast
+
+
 def test_safetensors_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
     # item 1's last sentence: a Hugging Face checkpoint stored in BF16 keeps its matrices in BF16
     # on a float32 CPU rank (the BF16 kernels widen them exactly), at half the bytes

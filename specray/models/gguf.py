@@ -43,7 +43,7 @@ ROW_CHUNK = 256  # rows dequantized at a time for a column slice
 # gguf package's own code (llama.cpp's reference): float, the legacy 32-block and the k-quants.
 SUPPORTED_TYPES = frozenset({
     QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.MXFP4,
 })
 
 # general.architecture -> (the family's Hugging Face class, q/k rows permuted by the converter)

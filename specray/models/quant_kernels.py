@@ -53,8 +53,11 @@ class QuantGemv:
         self._fast_repack.argtypes = [cint, ptr, ptr, i64, i64]
         self._fast_repack.restype = cint
         self._fast_rows = lib.specray_quant_fast_rows
-        self._fast_rows.argtypes = [cint, ptr, ptr, i64, ptr, i64]
+        self._fast_rows.argtypes = [cint, ptr, ptr, i64, i64, ptr, i64]
         self._fast_rows.restype = cint
+        self._rows = lib.specray_quant_rows
+        self._rows.argtypes = [cint, ptr, ptr, i64, i64, ptr, i64]
+        self._rows.restype = cint
         self.has_fast = bool(lib.specray_quant_fast_available())
         self._fast_types = frozenset(int(t) for t in GGMLQuantizationType if lib.specray_quant_fast_has_kernel(int(t)))
         self._layouts = {int(t): self._read_layout(int(t)) for t in GGMLQuantizationType}  # the C table, read once
@@ -129,18 +132,31 @@ class QuantGemv:
             raise ValueError(f"no fast kernel for {_type_name(ggml_type)} {shape} here (code {rc})")
         return y
 
+    def rows(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``ids`` of a weight in GGUF rows (an embedding lookup): gguf's values.
+        ``blocks`` as a ``QuantWeight`` holds them (checked when it was built)."""
+        return self._lookup(self._rows, "GGUF rows", blocks, ggml_type, shape, ids)
+
     def fast_rows(self, packed: torch.Tensor, ggml_type: int, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` of a repacked weight: the dequantized values (an embedding lookup)."""
+        return self._lookup(self._fast_rows, "fast layout", packed, ggml_type, shape, ids)
+
+    @staticmethod
+    def _lookup(entry, layout: str, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                ids: torch.Tensor) -> torch.Tensor:
+        """The C lookup checks the ids (a step's one embedding row costs one call, no pass of torch
+        ops over them) and writes nothing when one is out of range."""
         n, k = shape
         ids = ids.reshape(-1).to(torch.int64).contiguous()
-        if ids.numel():
-            low, high = (int(v) for v in ids.aminmax())  # one op, not min and max
-            if low < 0 or high >= n:
-                raise ValueError(f"row ids must be in [0, {n})")
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
-        rc = self._fast_rows(int(ggml_type), packed.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
+        rc = entry(int(ggml_type), blocks.data_ptr(), ids.data_ptr(), ids.numel(), n, out.data_ptr(), k)
+        if rc == -4:
+            bad = ids[(ids < 0) | (ids >= n)][0]
+            raise ValueError(f"row ids must be in [0, {n}): got {int(bad)}")
+        if rc == -1:
+            raise MemoryError("the row lookup could not allocate its scratch")
         if rc:
-            raise ValueError(f"no fast layout for {_type_name(ggml_type)} {shape} (code {rc})")
+            raise ValueError(f"no {layout} lookup for {_type_name(ggml_type)} {shape} (code {rc})")
         return out
 
     def dequantize(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:

@@ -101,8 +101,11 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` (an embedding lookup), [len(ids), in_features]."""
-        if self.is_fast:  # only built where the kernels are
-            return cpu_kernels.load_cpu_kernels().quant.fast_rows(self.blocks, self.ggml_type, self.shape, ids)
+        kernels = cpu_kernels.load_cpu_kernels()  # fast weights are only built where the kernels are
+        if self.is_fast:
+            return kernels.quant.fast_rows(self.blocks, self.ggml_type, self.shape, ids)
+        if kernels is not None and kernels.quant.has_kernel(self.ggml_type):  # one call, gguf's values
+            return kernels.quant.rows(self.blocks, self.ggml_type, self.shape, ids)
         return _dequantize(self.blocks[ids.reshape(-1)], self.ggml_type)
 
 

@@ -7,11 +7,12 @@
 
 #define FAST_ROWS 16 /* output rows per group: one 512-bit vector of int32 or float lanes */
 
-/* quant_formats.h's index of a format with a fast kernel (all but BF16); -1 for any other type. */
+/* quant_formats.h's index of a format with a fast kernel (all but BF16 and MXFP4, which keep their
+ * exact kernels in fast mode); -1 for any other type. */
 static inline int fast_format(int ggml_type) {
     for (int f = 0; f < NUM_FORMATS; ++f)
         if (FORMATS[f].ggml_type == ggml_type)
-            return f != BF16 ? f : -1;
+            return f != BF16 && f != MXFP4 ? f : -1;
     return -1;
 }
 

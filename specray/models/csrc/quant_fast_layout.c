@@ -76,14 +76,18 @@ int specray_quant_fast_repack(int ggml_type, const uint8_t *w, uint8_t *out, int
 }
 
 int specray_quant_dequantize(int ggml_type, const uint8_t *w, float *out, int64_t N, int64_t K);
+int64_t specray_first_bad_id(const int64_t *ids, int64_t n, int64_t N); /* quant_rows.c */
 
-/* Rows ids[0..n) of a repacked weight as float32 [n, K]: each row's GGUF blocks put back, then
- * quant_gemv.c's dequantizer (gguf.quants.dequantize's values: an embedding lookup on a tied
- * head). Returns 0, -1 without memory, or the repack's codes. */
-int specray_quant_fast_rows(int ggml_type, const uint8_t *w, const int64_t *ids, int64_t n, float *out, int64_t K) {
+/* Rows ids[0..n) of a repacked [N, K] weight as float32 [n, K]: each row's GGUF blocks put back,
+ * then quant_gemv.c's dequantizer (gguf.quants.dequantize's values: an embedding lookup on a tied
+ * head). Returns 0, -1 without memory, the repack's codes, or -4 for an id outside [0, N)
+ * (nothing written). */
+int specray_quant_fast_rows(int ggml_type, const uint8_t *w, const int64_t *ids, int64_t n, int64_t N, float *out,
+                            int64_t K) {
     const int f = fast_format(ggml_type);
     if (f < 0) return -2;
     if (K % FORMATS[f].block_weights) return -3;
+    if (specray_first_bad_id(ids, n, N) >= 0) return -4;
     const int64_t bytes = FORMATS[f].block_bytes, blocks = K / FORMATS[f].block_weights;
     uint8_t on_stack[4096]; /* a decode step's embedding row (K up to ~3600 at Q8_0): no malloc */
     const int64_t need = blocks * bytes;

@@ -54,7 +54,7 @@ static inline bytes16 load16(const uint8_t *p) {
 /* The formats: a block's 32 weights as lo (weights 0-15) and hi (16-31), as ggml lays them out.
  * BF16 has no blocks in GGUF (one weight, 2 bytes); its "block" here is 32 weights, 64 bytes, so
  * the driver takes it when K is a multiple of 32 (the loader keeps float32 otherwise). */
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, Q4_K, Q6_K };
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, Q4_K, Q6_K, MXFP4 };
 
 /* The table of formats: GGML type id (ggml.h's enum ggml_type), bytes per block as stored and the
  * weights it holds (32, or a K-quant's super-block of 256); the kernels take 32 weights at a time
@@ -64,8 +64,22 @@ enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, Q4_K, Q6_K };
 static const struct {
     int ggml_type, block_bytes, block_weights;
 } FORMATS[] = {[Q8_0] = {8, 34, 32}, [Q4_0] = {2, 18, 32}, [Q4_1] = {3, 20, 32}, [Q5_0] = {6, 22, 32},
-               [Q5_1] = {7, 24, 32}, [BF16] = {30, 64, 32}, [Q4_K] = {12, 144, 256}, [Q6_K] = {14, 210, 256}};
+               [Q5_1] = {7, 24, 32}, [BF16] = {30, 64, 32}, [Q4_K] = {12, 144, 256}, [Q6_K] = {14, 210, 256},
+               [MXFP4] = {39, 17, 32}};
 #define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
+
+/* MXFP4 (OCP microscaling, gpt-oss's experts): an E8M0 exponent byte, then 16 bytes of 4-bit E2M1
+ * codes laid out as Q4_0's nibbles. gguf.quants.MXFP4 doubles the E2M1 values into small integers
+ * and halves the scale: a weight is e8m0_half(e) * MXFP4_VALUES[q], a power of two (2^(e - 128),
+ * subnormal for e < 2) times an integer of at most 4 bits, exact in float32 unless it overflows,
+ * where numpy's product and this one are both inf (e >= 254). */
+static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* Q4_K's 6-bit scale and min of sub-block j (gguf.quants.Q4_K.get_scale_min): 12 bytes, the
  * high two bits of sub-blocks 4-7 kept in the top bits of bytes 0-7. */
@@ -218,6 +232,10 @@ static inline __attribute__((always_inline)) void dequantize(int FMT, const uint
         *hi = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 32))), 16);
         return;
     }
+    if (FMT == MXFP4) { /* the block's 16 values (each product exact), then each nibble picks one */
+        nibbles_from_table(b + 1, _mm512_mul_ps(_mm512_loadu_ps(MXFP4_VALUES), _mm512_set1_ps(e8m0_half(b[0]))), lo, hi);
+        return;
+    }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (FMT == Q4_1) { /* half d, half m, nibbles: d * q + m; d and m converted together */
         const __m128 dm = _mm_cvtph_ps(_mm_loadu_si128((const __m128i *)b)); /* lanes 2, 3: nibbles, unused */
@@ -279,6 +297,13 @@ static inline __attribute__((always_inline)) void dequantize8(int FMT, const uin
             const half_uvec bits = __builtin_convertvector(v, half_uvec) << 16;
             memcpy(&w[i], &bits, sizeof bits);
         }
+        return;
+    }
+    if (FMT == MXFP4) { /* weights 0-15 from the low nibbles, 16-31 from the high ones */
+        const float d = e8m0_half(b[0]);
+        float out[BLOCK_SIZE];
+        for (int i = 0; i < BLOCK_SIZE; ++i) out[i] = MXFP4_VALUES[(b[1 + i % 16] >> (4 * (i / 16))) & 15] * d;
+        for (int i = 0; i < 4; ++i) memcpy(&w[i], out + 8 * i, sizeof w[i]);
         return;
     }
     const float d = half_to_float(b);

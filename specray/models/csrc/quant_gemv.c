@@ -196,13 +196,13 @@ static inline int columns_for(int64_t M) {
             default: PASS(FMT, 1); break;                                                                     \
         }                                                                                                     \
     }
-DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1) DRIVER(BF16) DRIVER(Q4_K) DRIVER(Q6_K)
+DRIVER(Q8_0) DRIVER(Q4_0) DRIVER(Q4_1) DRIVER(Q5_0) DRIVER(Q5_1) DRIVER(BF16) DRIVER(Q4_K) DRIVER(Q6_K) DRIVER(MXFP4)
 
 typedef void (*quant_fn)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int);
 
 static const quant_fn DRIVERS[] = {[Q8_0] = gemv_Q8_0, [Q4_0] = gemv_Q4_0, [Q4_1] = gemv_Q4_1,
                                    [Q5_0] = gemv_Q5_0, [Q5_1] = gemv_Q5_1, [BF16] = gemv_BF16,
-                                   [Q4_K] = gemv_Q4_K, [Q6_K] = gemv_Q6_K};
+                                   [Q4_K] = gemv_Q4_K, [Q6_K] = gemv_Q6_K, [MXFP4] = gemv_MXFP4};
 
 static int find_format(int ggml_type) {
     for (int i = 0; i < NUM_FORMATS; ++i)
@@ -294,13 +294,14 @@ static inline __attribute__((always_inline)) void dequantize_block(int FMT, cons
                 dequantize_block(FMT, w + n * row_bytes + k / per_block * bytes, out + n * K + k);   \
     }
 DEQUANTIZER(Q8_0) DEQUANTIZER(Q4_0) DEQUANTIZER(Q4_1) DEQUANTIZER(Q5_0) DEQUANTIZER(Q5_1) DEQUANTIZER(BF16)
-DEQUANTIZER(Q4_K) DEQUANTIZER(Q6_K)
+DEQUANTIZER(Q4_K) DEQUANTIZER(Q6_K) DEQUANTIZER(MXFP4)
 
 typedef void (*dequantize_fn)(const uint8_t *, float *, int64_t, int64_t);
 static const dequantize_fn DEQUANTIZERS[] = {[Q8_0] = dequantize_Q8_0, [Q4_0] = dequantize_Q4_0,
                                              [Q4_1] = dequantize_Q4_1, [Q5_0] = dequantize_Q5_0,
                                              [Q5_1] = dequantize_Q5_1, [BF16] = dequantize_BF16,
-                                             [Q4_K] = dequantize_Q4_K, [Q6_K] = dequantize_Q6_K};
+                                             [Q4_K] = dequantize_Q4_K, [Q6_K] = dequantize_Q6_K,
+                                             [MXFP4] = dequantize_MXFP4};
 
 int specray_quant_dequantize(int ggml_type, const uint8_t *w, float *out, int64_t N, int64_t K) {
     const int f = find_format(ggml_type);
