@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.comm.group import Group
-from specray.models import cpu_kernels
 from specray.models.cpu_kernels import kernels_for
 from specray.models.quant_weight import FusedQuantWeight, QuantWeight, fused_rows, padded_rows, set_weight
 
@@ -270,12 +269,7 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight
         if not isinstance(weight, QuantWeight):
             return F.embedding(ids, weight)
-        kernels = cpu_kernels.load_cpu_kernels()  # only the rows looked up are dequantized
-        if kernels is None or weight.is_fast:
-            return weight.rows(ids).reshape(*ids.shape, weight.shape[1])
-        rows = weight.blocks[ids.reshape(-1)]
-        return kernels.quant.dequantize(rows, weight.ggml_type, (rows.shape[0], weight.shape[1])).reshape(
-            *ids.shape, weight.shape[1])
+        return weight.rows(ids).reshape(*ids.shape, weight.shape[1])  # only the rows looked up are dequantized
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
