@@ -28,7 +28,7 @@ from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.context import DistContext
 from specray.launch.procs import RankFailure
 from specray.models import cpu_kernels, decoder, fused_decode
-from specray.models.attention import build_metadata
+from specray.models.attention import PAGED_ATTENTION_PAGE_SIZES, build_metadata
 from specray.models.gguf import open_gguf
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
@@ -99,7 +99,7 @@ def test_the_shipped_file_stays_in_its_blocks(models):
     assert quantized_weights(dense) == [] and quant_mode() == "exact"
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", sorted(PAGED_ATTENTION_PAGE_SIZES))  # every page size the kernels take
 def test_logits_equal_the_float32_path(models, kernels, block_size, monkeypatch):
     # prefill (SDPA, the head's 40+ rows: panels dequantized), then decode and verify steps of
     # the fused C path, then the same steps module by module: every logit, bit for bit
