@@ -266,14 +266,7 @@ def test_the_shipped_file_is_repacked_in_place(fast_model, kernels, monkeypatch)
 
 def test_a_verify_row_gets_the_decode_steps_bits_in_fast_mode(fast_model, kernels, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    decode_step = assert_verify_rows_get_the_decode_steps_bits(fast_model)
-    decode, saved = decode_step(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one_thread = decode_step()
-    finally:
-        torch.set_num_threads(saved)
-    assert torch.equal(one_thread, decode)
+    assert_verify_rows_get_the_decode_steps_bits(fast_model)  # and one thread's bits are two's
 
 
 def test_speculative_decoding_is_lossless_in_fast_mode(monkeypatch):

@@ -130,7 +130,8 @@ def test_logits_equal_the_float32_path(models, kernels, block_size, monkeypatch)
 
 def assert_verify_rows_get_the_decode_steps_bits(model):
     """After a 40-token prompt, verify steps of 2-8 rows: row 0's logits are the decode step's
-    for the same token, bit for bit. Returns a function that reruns that decode step."""
+    for the same token, bit for bit, and so are the decode step's on one thread (torch's default
+    here is two). Returns a function that reruns that decode step."""
     gen, block_size, tables, vocab = torch.Generator().manual_seed(3), 16, [[1, 2, 3, 4]], model.arch.vocab_size
     pools = [torch.zeros(6, 2, model.num_local_kv_heads, block_size, model.arch.head_dim)
              for _ in range(model.arch.num_layers)]
@@ -143,6 +144,13 @@ def assert_verify_rows_get_the_decode_steps_bits(model):
     decode = step(1)
     for rows in (2, 4, 6, 8):
         assert torch.equal(step(rows)[:1], decode), rows
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = step(1)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one_thread, decode)
     return lambda: step(1)
 
 
@@ -203,7 +211,7 @@ def _generate(tp: int, block_size: int, quant: str, monkeypatch):
              [(e.token_id, e.logprob, e.top) for e in o.prompt_logprobs[1:]]) for o in outs]
 
 
-@pytest.mark.parametrize("tp, block_size", [(1, 16), (1, 64), (3, 16), (3, 64)])
+@pytest.mark.parametrize("tp, block_size", [(1, 16), (1, 64), (3, 8), (3, 16), (3, 64), (3, 256)])
 def test_greedy_tokens_and_logprobs_equal_the_float32_path(tp, block_size, monkeypatch):
     # the engine end to end, TP 3 included (each rank's shard of blocks, the all-reduces between):
     # 64 greedy tokens and the log-probabilities of every prompt and output position, exactly
