@@ -14,9 +14,10 @@ Each layer's four weights are float32 or GGUF blocks (``quant_weight.py``), each
 the layer table; fused_layer.c runs small_gemm or the block GEMV on it, the same bits.
 
 The path serves float32 CPU steps where specray's kernels are built, every layer is dense
-(no MoE), has no q/k norm, and no sequence in the step is a whole prompt (prompts go to
-SDPA); rows up to small_gemm's limit; no captured layers (drafters conditioned on the
-target). Everything else takes the module-by-module torch path, which stays the reference.
+(no MoE), has no q/k norm and rotates whole heads, and no sequence in the step is a whole
+prompt (prompts go to SDPA); rows up to small_gemm's limit. Captured layers (the features of
+drafters conditioned on the target) are copied between runs of layers. Everything else takes
+the module-by-module torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
 def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: AttentionMetadata) -> CpuKernels | None:
     """specray's kernels when this step can take the fused path, else None."""
     arch = model.arch
-    if arch.moe_layers or arch.family.has_qk_norm or len(pools) < arch.num_layers:
-        return None
+    if arch.moe_layers or arch.family.has_qk_norm or len(pools) < arch.num_layers or arch.rope_dim != arch.head_dim:
+        return None  # the kernel rotates whole heads (a partial rotary takes the torch path)
     kernels = kernels_for(x, pools[0])
     if kernels is None or x.shape[0] > kernels.max_rows or arch.head_dim > kernels.max_head_dim:
         return None
