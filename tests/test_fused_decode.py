@@ -4,6 +4,8 @@ page size, decode and verify rows; and the engine's greedy tokens at TP 1 and 3.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_build import built_kernels
@@ -147,3 +149,17 @@ def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatc
     torch.testing.assert_close(fused_hidden, hidden, rtol=1e-4, atol=1e-4)
     for a, b in zip(fused_captured, captured):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_partial_rotary_takes_the_torch_path(kernels, monkeypatch):
+    # the fused kernel rotates whole heads from RoPE tables of head_dim columns: a model rotating
+    # part of each head must not reach it (it would read rows of the wrong width)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    model = load_model(resolve_model("tiny-llama"), DistContext.single(), "float32")
+    arch, block_size = model.arch, 16
+    pools = [torch.zeros(2, 2, model.num_local_kv_heads, block_size, arch.head_dim) for _ in range(arch.num_layers)]
+    _, meta = build_metadata([[1]], block_size, [3], [1], torch.device("cpu"))
+    x = torch.zeros(1, arch.hidden_size)
+    assert fused_decode.fused_kernels(model, x, pools, meta) is kernels
+    model.arch = dataclasses.replace(arch, rotary_dim=arch.head_dim // 2)
+    assert fused_decode.fused_kernels(model, x, pools, meta) is None
