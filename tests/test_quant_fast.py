@@ -286,14 +286,11 @@ def test_speculative_decoding_is_lossless_in_fast_mode(monkeypatch):
 
 
 def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, caplog, monkeypatch):
-    from checkpoints import make_checkpoint
-    from gguf_files import write_gguf
+    from test_quant_model import write_tiny_gguf
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.ffn_down.weight": QType.BF16 for i in range(2)}
     types.update({f"blk.{i}.ffn_{p}.weight": QType.Q4_0 for i in range(2) for p in ("gate", "up")})
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_tiny_gguf(tmp_path, types)
     monkeypatch.setenv("SPECRAY_CPU_QUANT", "fast")
     with caplog.at_level(logging.INFO, logger="specray.models.quant_weight"):
         model = load_model(path, DistContext.single(), "float32")
@@ -311,14 +308,11 @@ def test_types_without_a_fast_kernel_keep_the_exact_ones(kernels, tmp_path, capl
 def test_q5_weights_run_on_the_fast_kernels(kernels, tmp_path, monkeypatch):
     # Q5_0 gate/up and Q5_1 down are repacked at load and run on their fast kernels; an MLP whose
     # fifth bits were wired wrong would decorrelate from the exact kernels' (cosine far below 1)
-    from checkpoints import make_checkpoint
-    from gguf_files import write_gguf
+    from test_quant_model import write_tiny_gguf
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.ffn_down.weight": QType.Q5_1 for i in range(2)}
     types.update({f"blk.{i}.ffn_{p}.weight": QType.Q5_0 for i in range(2) for p in ("gate", "up")})
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_tiny_gguf(tmp_path, types)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     out = {}
     for mode in ("exact", "fast"):

@@ -221,17 +221,27 @@ def test_greedy_tokens_and_logprobs_equal_the_float32_path(tp, block_size, monke
     assert quant == dense
 
 
+def tiny_llama(tmp_path) -> Path:
+    """The tiny Llama checkpoint the mixed-type tests quantize: 2 layers, 256 wide, MLP 512,
+    4 heads of 64 over 2 KV heads (every shape a multiple of the K-quants' 256)."""
+    return make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def write_tiny_gguf(tmp_path, types: dict[str, QType]) -> Path:
+    """tiny_llama written as GGUF, the tensors of ``types`` (GGUF names) quantized to their type."""
+    return write_gguf(tiny_llama(tmp_path), tmp_path / "m.gguf", types=types)
+
+
 def test_a_type_without_a_kernel_falls_back_to_float32_and_mixed_parts_stay_in_blocks(kernels, tmp_path, caplog,
                                                                                       monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.ffn_down.weight": QType.Q5_K for i in range(2)}  # no quantized kernel (yet)
     types.update({"blk.0.ffn_up.weight": QType.Q8_0, "blk.0.ffn_gate.weight": QType.Q8_0,
                   "blk.1.attn_output.weight": QType.Q4_1, "token_embd.weight": QType.Q4_0,
                   "output.weight": QType.Q8_0, "blk.1.attn_q.weight": QType.Q4_1, "blk.1.attn_k.weight": QType.Q4_1,
                   "blk.1.attn_v.weight": QType.Q8_0})  # q/k/v of two types: each part in its own blocks
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_tiny_gguf(tmp_path, types)
     with caplog.at_level(logging.INFO, logger="specray.models.gguf"):
         quant = _load(path, "exact", monkeypatch)
     assert [r.getMessage() for r in caplog.records] == [
@@ -249,12 +259,10 @@ def test_a_type_without_a_kernel_falls_back_to_float32_and_mixed_parts_stay_in_b
 def write_k_quant_mix(tmp_path) -> Path:
     """A tiny Llama GGUF in a Q4_K_M-style mix: Q4_K layers; Q6_K down, one layer's v, the other's
     up and the embedding (so q/k/v and gate/up are fused weights of mixed types)."""
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.Q4_K for i in range(2) for name in LAYERS if name != "ffn_down"}
     types.update({f"blk.{i}.ffn_down.weight": QType.Q6_K for i in range(2)})
     types.update({name: QType.Q6_K for name in ("token_embd.weight", "blk.0.attn_v.weight", "blk.1.ffn_up.weight")})
-    return write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    return write_tiny_gguf(tmp_path, types)
 
 
 def test_k_quant_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
@@ -275,11 +283,9 @@ def test_mxfp4_weights_stay_in_their_blocks_and_give_the_float32_paths_logits(ke
     # Q8_0 around them; exact mode bit for bit the dequantized model's; fast mode keeps MXFP4 on
     # its exact kernel (no int8 one), as BF16
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.MXFP4 if name.startswith("ffn") else QType.Q8_0
              for i in range(2) for name in LAYERS}
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_tiny_gguf(tmp_path, types)
     quant = _load(path, "exact", monkeypatch)
     assert {w.type_name for w in quantized_weights(quant)} == {"MXFP4", "Q8_0"}
     assert quant.layers[0].mlp.down.weight.type_name == "MXFP4"
@@ -293,8 +299,7 @@ def test_safetensors_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(ke
     # on a float32 CPU rank (the BF16 kernels widen them exactly), at half the bytes
     from safetensors.torch import load_file, save_file
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    hf_dir = tiny_llama(tmp_path)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(hf_dir / "model.safetensors"))
     quant, dense = _load(hf_dir, "exact", monkeypatch), _load(hf_dir, "0", monkeypatch)
@@ -343,11 +348,9 @@ def test_each_ranks_blocks_are_its_float32_shard(kernels, tmp_path, caplog, monk
 
 def test_bf16_weights_stay_bf16_and_give_the_float32_paths_logits(kernels, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
-    hf_dir = make_checkpoint("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     types = {f"blk.{i}.{name}.weight": QType.BF16 for i in range(2) for name in LAYERS}
     types.update({"token_embd.weight": QType.BF16, "output.weight": QType.BF16})
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", types=types)
+    path = write_tiny_gguf(tmp_path, types)
     quant = _load(path, "exact", monkeypatch)
     held = quantized_weights(quant)
     assert len(held) == 2 * 4 + 2 and {w.type_name for w in held} == {"BF16"}  # qkv, o, gate_up, down; embedding, head
