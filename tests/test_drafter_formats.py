@@ -238,6 +238,40 @@ def test_the_fast_path_proposes_the_torch_paths_drafts(target, tmp_path, monkeyp
         torch.testing.assert_close(fast_logits, slow_logits, **TOL)
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3s_fused_layer_proposes_the_module_paths_drafts(target, tmp_path, monkeypatch, norm_before_residual):
+    """EAGLE-3's layer in fused_layer.c's two blocks (its 2H-wide q/k/v input normed and laid out in C; issue 29)
+    against the same layer module by module on the same kernels (SPECRAY_CPU_FUSED_LAYERS=0): the same drafts and
+    K/V over two steps, logits within TOL (the fused MLP's silu is specray_silu_mul's, not torch's), and the fused
+    blocks taken wherever the rows allow: every draft position and the second step's catch-up (the first step's
+    prompt goes to SDPA)."""
+    from specray.models.drafters.eagle3 import Eagle3Drafter
+
+    target_dir, model, hf = target
+    path = write_eagle3(tmp_path / "d", target_dir, "speculators", 200, norm_before_residual=norm_before_residual)
+    drafter = load("eagle3", path, model, k=4)
+    assert drafter.fmt.norm_before_residual is norm_before_residual
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45, 200, 13, 14]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+    rows, real = [], Eagle3Drafter._fused_layer
+    monkeypatch.setattr(Eagle3Drafter, "_fused_layer",
+                        lambda self, kernels, emb, *a: rows.append(emb.shape[0]) or real(self, kernels, emb, *a))
+
+    def two_steps():
+        pools = empty_pools(drafter, 1)
+        first = propose(drafter, tokens[:18], features[:17], 4, pools)
+        return first, propose(drafter, tokens, features[17:], 4, pools, consumed=17), pools
+    fused = two_steps()
+    assert rows == [1, 1, 1, 5, 1, 1, 1]
+    monkeypatch.setenv("SPECRAY_CPU_FUSED_LAYERS", "0")
+    module = two_steps()
+    assert len(rows) == 7  # the module path took no fused block
+    for (fused_drafts, fused_logits), (module_drafts, module_logits) in zip(fused[:2], module[:2]):
+        assert fused_drafts == module_drafts
+        torch.testing.assert_close(fused_logits, module_logits, **TOL)
+    torch.testing.assert_close(fused[2][0], module[2][0], **TOL)
+
+
 # --------------------------------------------------------------------------- DSpark
 
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -80,6 +80,15 @@ class FusedLayerKernels:
                                _ptr(delta_bias), out.data_ptr()), "MLP block")
         return out
 
+    def eagle3_attention_block(self, layer, shape, step, eps: float, scale: float, emb: torch.Tensor,
+                               hidden_norm: torch.Tensor, norm_residual: bool, x: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's attention over [norm(emb); hidden_norm(x)]; x becomes the layer's residual."""
+        out = torch.empty_like(x)
+        _check(self._eagle3_block(layer.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale, emb.data_ptr(),
+                                  hidden_norm.data_ptr(), int(norm_residual), x.data_ptr(), out.data_ptr()),
+               "EAGLE-3 attention block")
+        return out
+
     def dense_layers(self, table, shape, step, eps: float, scale: float, x: torch.Tensor,
                      scratch: torch.Tensor) -> None:
         _check(self._layers(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
@@ -131,6 +140,9 @@ class CpuKernels(FusedLayerKernels):
         self._mlp_block = lib.specray_mlp_block
         self._mlp_block.argtypes = [ptr] * 2 + [f32] + [ptr] * 4
         self._mlp_block.restype = ctypes.c_int
+        self._eagle3_block = lib.specray_eagle3_attention_block
+        self._eagle3_block.argtypes = [ptr] * 3 + [f32, f32] + [ptr] * 2 + [ctypes.c_int] + [ptr] * 2
+        self._eagle3_block.restype = ctypes.c_int
         self._layers = lib.specray_dense_layers
         self._layers.argtypes = [i64] + [ptr] * 3 + [f32, f32] + [ptr] * 2
         self._layers.restype = ctypes.c_int

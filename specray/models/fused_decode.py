@@ -78,6 +78,14 @@ def _is_served(kernels: CpuKernels, weight: torch.Tensor | QuantWeight | FusedQu
     return kernels_for(weight) is not None
 
 
+def layer_row(input_norm: torch.Tensor, attn, post_norm: torch.Tensor, mlp, pool: torch.Tensor) -> list[int]:
+    """One layer's row of fused_layer.c's layer table: its norms, attention and MLP weights, pool."""
+    weights = (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down.weight)
+    return [_addr(input_norm), _addr(attn.qkv.weight), _addr(attn.qkv.bias), _addr(attn.o_proj.weight),
+            _addr(attn.o_proj.bias), _addr(post_norm), _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool),
+            *map(_ggml_type, weights), *_more_parts(attn.qkv.weight, 3), *_more_parts(mlp.gate_up.weight, 2)]
+
+
 def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
     """[num_layers, NUM_LAYER_PTRS] int64 addresses, in fused_layer.c's order; built once per
     set of pools (weights are loaded in place and never move; pools are allocated once)."""
@@ -85,34 +93,50 @@ def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
     cached = getattr(model, "_fused_layer_table", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    rows = []
-    for layer, pool in zip(model.layers, pools):
-        attn, mlp = layer.self_attn, layer.mlp
-        weights = (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down.weight)
-        rows.append([_addr(layer.input_layernorm.weight), _addr(attn.qkv.weight), _addr(attn.qkv.bias),
-                     _addr(attn.o_proj.weight), _addr(attn.o_proj.bias), _addr(layer.post_attention_layernorm.weight),
-                     _addr(mlp.gate_up.weight), _addr(mlp.down.weight), _addr(pool), *map(_ggml_type, weights),
-                     *_more_parts(attn.qkv.weight, 3), *_more_parts(mlp.gate_up.weight, 2)])
-    table = torch.tensor(rows, dtype=torch.int64)
+    table = torch.tensor([layer_row(layer.input_layernorm.weight, layer.self_attn, layer.post_attention_layernorm.weight,
+                                    layer.mlp, pool) for layer, pool in zip(model.layers, pools)], dtype=torch.int64)
     model._fused_layer_table = (key, table)
     return table
+
+
+def step_args(rotary, x: torch.Tensor, positions: torch.Tensor, attn, mlp, pool: torch.Tensor,
+              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step, shape): fused_layer.c's step table and the step's shape, two views of one tensor
+    (a tensor costs ~7 us in a step). ``positions`` must be contiguous int64 and outlive the
+    calls that read the tables; cos and sin are the rotary's own tables (the kernel reads row
+    positions[r])."""
+    tables, context_lens, query_lens, q_starts = step_plan(meta, x, pool).kernel_args
+    cos, sin = rotary.tables(max(meta.context_lens_list))
+    args = torch.tensor([_addr(t) for t in (cos, sin, positions, meta.slot_mapping, tables, context_lens, query_lens,
+                                            q_starts)]
+                        + [x.shape[0], x.shape[1], attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim,
+                           mlp.down.in_shard, pool.shape[3], tables.shape[0], tables.shape[1], int(meta.causal)],
+                        dtype=torch.int64)
+    return args[:NUM_STEP_PTRS], args[NUM_STEP_PTRS:]
+
+
+def step_kernels(arch, x: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata) -> CpuKernels | None:
+    """specray's kernels where a step of these rows and this architecture's layers fits
+    fused_layer.c (before its pools and weights are checked), else None."""
+    if arch.moe_layers or arch.family.has_qk_norm or arch.rope_dim != arch.head_dim:
+        return None  # the kernel rotates whole heads (a partial rotary takes the torch path)
+    kernels = kernels_for(x, pool)
+    if kernels is None or x.shape[0] > kernels.max_rows or arch.head_dim > kernels.max_head_dim:
+        return None
+    if any(meta.causal and n == c for n, c in zip(meta.query_lens, meta.context_lens_list)):
+        return None  # a whole prompt: SDPA serves it
+    return kernels
 
 
 def fused_kernels(model, x: torch.Tensor, pools: list[torch.Tensor], meta: AttentionMetadata) -> CpuKernels | None:
     """specray's kernels when this step can take the fused path, else None."""
     arch = model.arch
-    if arch.moe_layers or arch.family.has_qk_norm or len(pools) < arch.num_layers or arch.rope_dim != arch.head_dim:
-        return None  # the kernel rotates whole heads (a partial rotary takes the torch path)
-    kernels = kernels_for(x, pools[0])
-    if kernels is None or x.shape[0] > kernels.max_rows or arch.head_dim > kernels.max_head_dim:
+    if len(pools) < arch.num_layers:
         return None
-    if any(meta.causal and n == c for n, c in zip(meta.query_lens, meta.context_lens_list)):
-        return None  # a whole prompt: SDPA serves it
-    if not _pools_served(model, pools[: arch.num_layers]):
+    kernels = step_kernels(arch, x, pools[0], meta)
+    if kernels is None or not _pools_served(model, pools[: arch.num_layers]):
         return None
-    if not _weights_served(model, kernels):
-        return None
-    return kernels
+    return kernels if weights_served(model, kernels, model.layers) else None
 
 
 def _pools_served(model, pools: list[torch.Tensor]) -> bool:
@@ -125,13 +149,13 @@ def _pools_served(model, pools: list[torch.Tensor]) -> bool:
     return cached[1]
 
 
-def _weights_served(model, kernels: CpuKernels) -> bool:
+def weights_served(owner, kernels: CpuKernels, layers) -> bool:
     """Every layer's four weights are float32 tensors or blocks of a type with a kernel (checked
-    once per model: weights never change after load)."""
-    cached = getattr(model, "_fused_weights_served", None)
+    once per owner, a model or a drafter: weights never change after load)."""
+    cached = getattr(owner, "_fused_weights_served", None)
     if cached is None:
-        cached = model._fused_weights_served = all(
-            _is_served(kernels, w) for layer in model.layers
+        cached = owner._fused_weights_served = all(
+            _is_served(kernels, w) for layer in layers
             for w in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight,
                       layer.mlp.down.weight))
     return cached
@@ -144,17 +168,9 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, positions: torch.T
     layer of ``capture_layers``, in that order: a drafter's features)."""
     arch, first = model.arch, model.layers[0]
     pools = pools[: arch.num_layers]
-    tables, context_lens, query_lens, q_starts = step_plan(meta, x, pools[0]).kernel_args
-    cos, sin = model.rotary.tables(max(meta.context_lens_list))  # the kernel reads row positions[r]
-    positions = positions.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()  # held here while the kernels read its address
     attn = first.self_attn
-    # the step's addresses and shape in one tensor (a tensor costs ~7 us in a step), as two views
-    args = torch.tensor([_addr(t) for t in (cos, sin, positions, meta.slot_mapping, tables, context_lens, query_lens,
-                                            q_starts)]
-                        + [x.shape[0], arch.hidden_size, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim,
-                           first.mlp.down.in_shard, pools[0].shape[3], tables.shape[0], tables.shape[1],
-                           int(meta.causal)], dtype=torch.int64)
-    step, shape = args[:NUM_STEP_PTRS], args[NUM_STEP_PTRS:]
+    step, shape = step_args(model.rotary, x, positions, attn, first.mlp, pools[0], meta)
     table = _layer_table(model, pools)
     eps, scale = arch.rms_norm_eps, attn.scale
     group = attn.o_proj.group

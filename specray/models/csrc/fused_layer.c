@@ -8,7 +8,8 @@
  *                    h = rms_norm(x); g, u = h Wgu^T; out = (silu(g) * u) Wdown^T
  *
  * and specray_dense_layers runs every layer with both blocks in one call where there is no
- * all-reduce (a tensor-parallel group of one). The steps are the kernels of small_gemm.c and
+ * all-reduce (a tensor-parallel group of one). specray_eagle3_attention_block is the attention
+ * block of EAGLE-3's layer, whose q/k/v read two normed inputs side by side. The steps are the kernels of small_gemm.c and
  * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
  *
  * Each of the four weights has a GGML type in the layer table: 0 (F32) runs small_gemm on a
@@ -119,20 +120,18 @@ static void add_delta(float *x, const float *delta, const float *bias, int64_t r
             x[r * hidden + i] += bias ? delta[r * hidden + i] + bias[i] : delta[r * hidden + i];
 }
 
-/* Returns 0, -1 when scratch could not be had, -2 when the rows are past the GEMVs' limit. */
-int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
-                            float scale, float *x, const float *delta, const float *delta_bias, float *out) {
+/* q/k/v from the normed input h [M, K] (K: the hidden size, or EAGLE-3's 2H); RoPE; k and v
+ * into the pool; paged attention; out = o Wo^T (this rank's partial sum). Returns 0, -1 when
+ * scratch could not be had, -2 when the rows are past the GEMVs' limit. */
+static int attend(const int64_t *layer, const int64_t *shape, const int64_t *step, float scale, const float *h,
+                  int64_t K, float *out) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN], heads = shape[HEADS], kv = shape[KV_HEADS];
     const int64_t dim = shape[HEAD_DIM], qkv_size = (heads + 2 * kv) * dim;
-    float *h = malloc(sizeof(float) * M * (H + qkv_size + 2 * heads * dim + kv * dim));
-    if (!h) return -1;
-    float *qkv = h + M * H, *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
+    float *qkv = malloc(sizeof(float) * M * (qkv_size + 2 * heads * dim + kv * dim));
+    if (!qkv) return -1;
+    float *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
     TICK();
-    add_delta(x, delta, delta_bias, M, H);
-    TOCK(P_ADD);
-    specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
-    TOCK(P_NORM);
-    int rc = qkv_gemm(layer, h, qkv, M, qkv_size, H);
+    int rc = qkv_gemm(layer, h, qkv, M, qkv_size, K);
     TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
@@ -147,8 +146,50 @@ int specray_attention_block(const int64_t *layer, const int64_t *shape, const in
         rc = gemm(layer[O_T], o, layer[O_W], NULL, out, M, H, heads * dim);
         TOCK(P_O);
     }
-    free(h);
+    free(qkv);
     return rc ? -2 : 0;
+}
+
+/* Returns 0, -1 when scratch could not be had, -2 when the rows are past the GEMVs' limit. */
+int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
+                            float scale, float *x, const float *delta, const float *delta_bias, float *out) {
+    const int64_t M = shape[ROWS], H = shape[HIDDEN];
+    float *h = malloc(sizeof(float) * M * H);
+    if (!h) return -1;
+    TICK();
+    add_delta(x, delta, delta_bias, M, H);
+    TOCK(P_ADD);
+    specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
+    TOCK(P_NORM);
+    const int rc = attend(layer, shape, step, scale, h, H, out);
+    free(h);
+    return rc;
+}
+
+/* EAGLE-3's attention block (models/drafters/eagle3.py): q/k/v read the 2H-wide rows
+ * [rms_norm(emb) (layer[INPUT_NORM]); rms_norm(x) (hidden_norm)], the embedding first. On
+ * return x holds the layer's residual: x as given, or its norm where norm_residual (EAGLE-3's
+ * norm_before_residual). Returns as specray_attention_block. */
+int specray_eagle3_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
+                                   float scale, const float *emb, const float *hidden_norm, int norm_residual,
+                                   float *x, float *out) {
+    const int64_t M = shape[ROWS], H = shape[HIDDEN];
+    float *h = malloc(sizeof(float) * M * 3 * H);
+    if (!h) return -1;
+    float *normed = h + M * 2 * H;
+    TICK();
+    specray_rms_norm(emb, F(layer[INPUT_NORM]), normed, M, H, eps);
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t i = 0; i < H; ++i) h[r * 2 * H + i] = normed[r * H + i];
+    specray_rms_norm(x, hidden_norm, normed, M, H, eps);
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t i = 0; i < H; ++i) h[r * 2 * H + H + i] = normed[r * H + i];
+    if (norm_residual)
+        for (int64_t i = 0; i < M * H; ++i) x[i] = normed[i];
+    TOCK(P_NORM);
+    const int rc = attend(layer, shape, step, scale, h, 2 * H, out);
+    free(h);
+    return rc;
 }
 
 int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, float *x, const float *delta,
