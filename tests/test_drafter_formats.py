@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from checkpoints import load_reference, make_checkpoint
 from drafter_checkpoints import (
+    PAGE,
     WRITERS,
     empty_pools,
     load,
@@ -50,7 +51,7 @@ from drafter_checkpoints import (
 from safetensors.torch import load_file, save_file
 
 from specray.comm.context import DistContext
-from specray.models.drafters.common import to_target_vocab
+from specray.models.drafters.common import DraftBatch, DraftSeq, to_target_vocab
 from specray.workers.worker import load_model
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
@@ -212,6 +213,40 @@ def test_last_layer_on_the_drafted_slots_only_equals_the_whole_block(target, tmp
     assert torch.equal(kept[1], whole[1])
     monkeypatch.setattr(DFlashDrafter, "block_outputs", sliced_after(True))
     assert not torch.equal(propose(drafter, tokens, features, k, empty_pools(drafter, 2))[1], kept[1])
+
+
+@pytest.mark.parametrize("method, block_size", [("dflash", 8), ("dflash", 16), ("dspark", 8)])
+def test_the_first_layer_projects_the_mask_row_once(target, tmp_path, monkeypatch, method, block_size):
+    """The first layer's q/k/v come from two rows a sequence (the last token, one mask row) repeated over the block
+    (issue 29): the drafts and their logits equal the block projected row by row, to the bit, at two sequences and
+    over two steps and at two sequences in one batch."""
+    from specray.models.drafters.dflash import DFlashDrafter
+
+    target_dir, model, hf = target
+    write = write_dflash if method == "dflash" else write_dspark
+    drafter = load(method, write(tmp_path / "d", target_dir, block_size=block_size), model, k=3)
+    tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
+    features = target_features(model, hf, tokens, drafter.feature_layers)
+
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]
+    other_features = target_features(model, hf, other, drafter.feature_layers)
+
+    def steps():
+        """Drafts and logits of one sequence over two steps, then of two sequences in one batch."""
+        pools = empty_pools(drafter, 2)
+        first = propose(drafter, tokens[:15], features[:14], 3, pools)
+        second = propose(drafter, tokens, features[14:], 3, pools, consumed=14)
+        logits = []
+        seqs = [DraftSeq(tokens, 0, features, [0, 1, 2, 3]), DraftSeq(other, 0, other_features, [4, 5, 6, 7])]
+        drafts = drafter.propose(DraftBatch(seqs, 3, empty_pools(drafter, 2), PAGE, torch.device("cpu")),
+                                 lambda row_logits, j: logits.append(row_logits.clone()) or row_logits.argmax(-1))
+        return [first, second, (drafts.tolist(), torch.stack(logits))]
+    once = steps()
+    layer = DFlashDrafter._layer
+    monkeypatch.setattr(DFlashDrafter, "_layer", staticmethod(lambda *a, is_first=False, **kw: layer(*a, **kw)))
+    for (once_drafts, once_logits), (row_drafts, row_logits) in zip(once, steps(), strict=True):
+        assert once_drafts == row_drafts
+        assert torch.equal(once_logits, row_logits)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])

@@ -141,16 +141,24 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def _layer(layer: DecoderLayer, x: torch.Tensor, cos, sin, pool, tables, context_lens, max_context,
-               keep: slice | None = None):
+               keep: slice | None = None, is_first: bool = False):
         """One Qwen3 layer on the query block; its K/V stay in the step. ``keep``: the block slots
         whose outputs are wanted (the last layer's): every slot's K/V is still computed, but the
-        queries, o_proj and MLP run on the kept rows only, as each of those is row by row."""
-        attn = layer.self_attn
+        queries, o_proj and MLP run on the kept rows only, as each of those is row by row.
+        ``is_first``: x is the embedded block, whose rows after each sequence's first are all the
+        mask token's: q/k/v are projected from two rows a sequence and repeated before RoPE (each
+        row of small_gemm is computed alone, so these are the bits of all n rows)."""
+        attn, num_seqs = layer.self_attn, tables.shape[0]
         heads, kv_heads, dim = attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim
-        qkv = attn.qkv(layer.input_layernorm(x))
+        if is_first:
+            n = x.shape[0] // num_seqs
+            two = attn.qkv(layer.input_layernorm(x.view(num_seqs, n, -1)[:, :2].reshape(2 * num_seqs, -1)))
+            two = two.view(num_seqs, 2, -1)
+            qkv = torch.cat([two[:, :1], two[:, 1:].expand(-1, n - 1, -1)], dim=1).view(num_seqs * n, -1)
+        else:
+            qkv = attn.qkv(layer.input_layernorm(x))
         q, k = _rotated(attn, qkv, heads, cos, sin)
         if keep is not None:
-            num_seqs = tables.shape[0]
             rows = torch.arange(x.shape[0], device=x.device).view(num_seqs, -1)[:, keep].reshape(-1)
             q, x = q[rows], x[rows]
         v = qkv.view(-1, heads + 2 * kv_heads, dim)[:, heads + kv_heads:]
@@ -201,7 +209,7 @@ class DFlashDrafter(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, pool) in enumerate(zip(self.layers, batch.pools)):
             x = self._layer(layer, x, cos, sin, pool, ctx_meta.block_tables, context_lens, max(starts),
-                            keep if i == last else None)
+                            keep if i == last else None, is_first=i == 0)
         return self.norm(x).view(len(seqs), -1, x.shape[-1])
 
     def propose(self, batch: DraftBatch, choose: Choose) -> torch.Tensor:
