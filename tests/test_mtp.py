@@ -152,6 +152,39 @@ def test_mtp_drafts_equal_speculators_reference(targets, tmp_path, family, layou
     torch.testing.assert_close(logits, ref_logits, **TOL)
 
 
+@pytest.mark.parametrize("family, fused_rows", [("llama", [1, 1, 7, 7, 1, 1]), ("qwen3", [])])
+def test_the_fused_block_proposes_the_module_paths_drafts(targets, tmp_path, monkeypatch, family, fused_rows):
+    """A dense GQA block in fused_layer.c's two blocks (issue 29) against the same block module by module on the
+    same kernels (SPECRAY_CPU_FUSED_LAYERS=0): the same drafts and K/V over two steps of two modules, logits within
+    TOL (the fused MLP's silu is specray_silu_mul's). Taken wherever the rows allow (the first step's prompt goes to
+    SDPA); never for a block with q/k norms (Qwen3), which the kernels do not run."""
+    from specray.models.drafters import mtp
+
+    target_dir, model, hf = targets[family]
+    path = write_drafter_for(target_dir, "mtp", tmp_path / "mtp", seed=1, num_modules=2, layout="deepseek_v3")
+    drafter = load_mtp_drafter(path, 3, DistContext.single(), "float32", model)
+    with torch.no_grad():
+        features = hf.model(torch.tensor([TOKENS])).last_hidden_state[0, :-1]
+    rows, real = [], mtp.add_mlp_block
+    monkeypatch.setattr(mtp, "add_mlp_block", lambda kernels, row, shape, eps, x, *a: rows.append(x.shape[0])
+                        or real(kernels, row, shape, eps, x, *a))
+
+    def two_steps():
+        pools = empty_pools(drafter, 2)
+        first = propose(drafter, TOKENS[:17], features[:16], 3, pools)
+        return first, propose(drafter, TOKENS, features[16:], 3, pools, consumed=16), pools
+    fused = two_steps()
+    assert rows == fused_rows
+    monkeypatch.setenv("SPECRAY_CPU_FUSED_LAYERS", "0")
+    module = two_steps()
+    assert len(rows) == len(fused_rows)  # the module path took no fused block
+    for (fused_drafts, fused_logits), (module_drafts, module_logits) in zip(fused[:2], module[:2]):
+        assert fused_drafts == module_drafts
+        torch.testing.assert_close(fused_logits, module_logits, **TOL)
+    for fused_pool, module_pool in zip(fused[2], module[2], strict=True):
+        torch.testing.assert_close(fused_pool, module_pool, **TOL)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

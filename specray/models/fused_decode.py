@@ -115,6 +115,37 @@ def step_args(rotary, x: torch.Tensor, positions: torch.Tensor, attn, mlp, pool:
     return args[:NUM_STEP_PTRS], args[NUM_STEP_PTRS:]
 
 
+def layer_tables(owner, rotary, x: torch.Tensor, positions: torch.Tensor, input_norm: torch.Tensor, attn,
+                 post_norm: torch.Tensor, mlp, pool: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, step, shape) of a lone layer (a one-model drafter's): its layer-table row, built once
+    per pool and kept on ``owner``, and the step's tables (``step_args``)."""
+    cached = getattr(owner, "_fused_row", None)
+    if cached is None or cached[0] != pool.data_ptr():
+        cached = owner._fused_row = (pool.data_ptr(), torch.tensor(layer_row(input_norm, attn, post_norm, mlp, pool),
+                                                                   dtype=torch.int64))
+    return (cached[1], *step_args(rotary, x, positions, attn, mlp, pool, meta))
+
+
+def add_mlp_block(kernels: CpuKernels, row: torch.Tensor, shape: torch.Tensor, eps: float, x: torch.Tensor,
+                  o: torch.Tensor, attn, mlp) -> torch.Tensor:
+    """The rest of a lone layer after its attention block gave ``o`` (this rank's partial sum): x
+    += all_reduce(o) (+ o_proj's bias), then the MLP block and x += its all_reduce; x in place."""
+    m = kernels.mlp_block(row, shape, eps, x, attn.o_proj.group.all_reduce(o), attn.o_proj.bias)
+    x += mlp.down.group.all_reduce(m)
+    return x
+
+
+def lone_layer_kernels(owner, arch, x: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata,
+                       layers) -> CpuKernels | None:
+    """specray's kernels where a lone layer (a one-model drafter's: ``layers``, their modules) can
+    take fused_layer.c's blocks this step, else None (also where SPECRAY_CPU_FUSED_LAYERS=0)."""
+    if not fused_layers_enabled():
+        return None
+    kernels = step_kernels(arch, x, pool, meta)
+    return kernels if kernels is not None and weights_served(owner, kernels, layers) else None
+
+
 def step_kernels(arch, x: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata) -> CpuKernels | None:
     """specray's kernels where a step of these rows and this architecture's layers fits
     fused_layer.c (before its pools and weights are checked), else None."""

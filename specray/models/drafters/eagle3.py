@@ -40,7 +40,7 @@ from specray.models.decoder import MLP, Attention, CausalLM
 from specray.models.drafters.common import (Choose, DraftBatch, ReplicatedLinear, catch_up_rows, last_rows, read_d2t,
                                             to_target_vocab)
 from specray.models.drafters.formats import Eagle3Format, check_tensors, layer_tensors
-from specray.models.fused_decode import fused_layers_enabled, layer_row, step_args, step_kernels, weights_served
+from specray.models.fused_decode import add_mlp_block, layer_tables, lone_layer_kernels
 from specray.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -136,18 +136,11 @@ class Eagle3Drafter(nn.Module):
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
         pool, emb = batch.pools[0], self.embed(ids)
-        kernels = self._fused_kernels(h, pool, meta)
+        kernels = lone_layer_kernels(self, self.fmt.arch, h, pool, meta, [self])
         if kernels is not None:
             return self._fused_layer(kernels, emb, h, positions, pool, meta)
         cos, sin = self.rotary(positions, max(meta.context_lens_list))
         return self.layer(emb, h, cos, sin, pool, meta)
-
-    def _fused_kernels(self, h: torch.Tensor, pool: torch.Tensor, meta) -> CpuKernels | None:
-        """specray's kernels where this step can take fused_layer.c's blocks, else None."""
-        if not fused_layers_enabled():
-            return None
-        kernels = step_kernels(self.fmt.arch, h, pool, meta)
-        return kernels if kernels is not None and weights_served(self, kernels, [self]) else None
 
     def _fused_layer(self, kernels: CpuKernels, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                      pool: torch.Tensor, meta) -> torch.Tensor:
@@ -155,17 +148,12 @@ class Eagle3Drafter(nn.Module):
         as in ``layer``: the attention block over [input_layernorm(emb); hidden_norm(h)], then
         the MLP block; the same kernels as ``layer`` (silu by specray_silu_mul)."""
         attn, eps = self.self_attn, self.fmt.arch.rms_norm_eps
-        step, shape = step_args(self.rotary, h, positions, attn, self.mlp, pool, meta)
-        if getattr(self, "_fused_row", (None,))[0] != pool.data_ptr():  # built once per pool
-            self._fused_row = (pool.data_ptr(), torch.tensor(
-                layer_row(self.input_layernorm.weight, attn, self.post_attention_layernorm.weight, self.mlp, pool),
-                dtype=torch.int64))
-        row, x = self._fused_row[1], h.clone()  # x: h, then the residual stream (h itself is kept)
+        row, step, shape = layer_tables(self, self.rotary, h, positions, self.input_layernorm.weight, attn,
+                                        self.post_attention_layernorm.weight, self.mlp, pool, meta)
+        x = h.clone()  # h, then the residual stream (h itself is kept)
         o = kernels.eagle3_attention_block(row, shape, step, eps, attn.scale, emb.contiguous(),
                                            self.hidden_norm.weight, self.fmt.norm_before_residual, x)
-        m = kernels.mlp_block(row, shape, eps, x, attn.o_proj.group.all_reduce(o), attn.o_proj.bias)
-        x += self.mlp.down.group.all_reduce(m)
-        return x
+        return add_mlp_block(kernels, row, shape, eps, x, o, attn, self.mlp)
 
     def _step(self, batch: DraftBatch, ids: torch.Tensor, h: torch.Tensor, starts: list[int],
               lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

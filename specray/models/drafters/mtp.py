@@ -41,10 +41,11 @@ from torch import nn
 from specray.comm.context import DistContext
 from specray.models.arch import ModelArch, arch_from_hf_config
 from specray.models.attention import build_metadata
-from specray.models.decoder import CausalLM, DecoderLayer
+from specray.models.decoder import Attention, CausalLM, DecoderLayer
 from specray.models.drafters.common import (FINAL_HIDDEN, Choose, DraftBatch, ReplicatedLinear, catch_up_rows,
                                             last_rows)
 from specray.models.drafters.mtp_format import DEEPSEEK_V3, MTPFormat, read_mtp_format
+from specray.models.fused_decode import add_mlp_block, layer_tables, lone_layer_kernels
 from specray.models.layers import ParallelLMHead, RMSNorm
 from specray.models.mla import rotary_for
 from specray.models.qwen3_next import ZeroCentredRMSNorm
@@ -64,8 +65,12 @@ class MTPModule(nn.Module):
         self.enorm, self.hnorm, self.out_norm = (norm(h, eps, dtype, dev) for _ in range(3))
         self.proj = ReplicatedLinear(2 * h, h, dtype, dev)
         index = fmt.arch.num_layers + i  # the block's layer index, which decides dense or MoE
-        block_arch = dataclasses.replace(a, moe_layers=(index,) if fmt.is_moe[i] else ())
-        self.block = DecoderLayer(block_arch, index, ctx, dtype)
+        self.block_arch = dataclasses.replace(a, moe_layers=(index,) if fmt.is_moe[i] else ())
+        self.block = DecoderLayer(self.block_arch, index, ctx, dtype)
+        attn = getattr(self.block, "self_attn", None)
+        # fused_layer.c's blocks serve a GQA block with RMSNorms (not MLA, gated attention or
+        # Qwen3-Next's zero-centred norms; step_kernels checks the rest, MoE included, each step)
+        self.is_fused = type(attn) is Attention and not attn.is_gated and type(self.block.input_layernorm) is RMSNorm
         self.head = ParallelLMHead(a.vocab_size, h, ctx.tp, dtype, dev) if self.is_deepseek else None
 
     @torch.no_grad()
@@ -81,11 +86,21 @@ class MTPModule(nn.Module):
         if self.head is not None:
             self.head.load(reader, f"{p}.shared_head.head")
 
-    def forward(self, target: CausalLM, ids, h, cos, sin, pool, meta, rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, target: CausalLM, rotary, ids, h, positions, pool, meta,
+                rows) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits, fed-back hidden state) at ``rows``; the block's KV is written at every row
         (``rows`` None: only that, a catch-up)."""
         x = self.proj(torch.cat([self.enorm(target.embed_tokens(ids)), self.hnorm(h)], dim=-1))
-        g = self.block(x, cos, sin, pool, meta)
+        kernels = lone_layer_kernels(self, self.block_arch, x, pool, meta, [self.block]) if self.is_fused else None
+        if kernels is not None:  # the block in fused_layer.c's two blocks, its all-reduces between
+            block, attn, eps = self.block, self.block.self_attn, self.block_arch.rms_norm_eps
+            row, step, shape = layer_tables(self, rotary, x, positions, block.input_layernorm.weight, attn,
+                                            block.post_attention_layernorm.weight, block.mlp, pool, meta)
+            o = kernels.attention_block(row, shape, step, eps, attn.scale, x, None, None)
+            g = add_mlp_block(kernels, row, shape, eps, x, o, attn, block.mlp)
+        else:
+            cos, sin = rotary(positions, max(meta.context_lens_list))
+            g = self.block(x, cos, sin, pool, meta)
         if rows is None:
             return None
         g = g[rows]
@@ -119,9 +134,8 @@ class MTPDrafter(nn.Module):
     def _run(self, m: int, batch: DraftBatch, ids, h, starts: list[int], lens: list[int], is_catch_up: bool = False):
         positions, meta = build_metadata([s.block_table for s in batch.seqs], batch.block_size, starts, lens,
                                          batch.device)
-        cos, sin = self.rotary(positions, max(meta.context_lens_list))
         rows = None if is_catch_up else last_rows(lens, batch.device)
-        return self.mtp[m](self.target[0], ids, h, cos, sin, batch.pools[m], meta, rows)
+        return self.mtp[m](self.target[0], self.rotary, ids, h, positions, batch.pools[m], meta, rows)
 
     def catch_up(self, batch: DraftBatch) -> None:
         """Every module's KV at positions [consumed, L - 2) of each sequence, drafting nothing
