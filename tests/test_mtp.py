@@ -267,7 +267,7 @@ def _check(config, expected, num_mtp_layers):
     assert all(o.metrics["num_verify_steps"] > 0 for o in outs)
 
 
-@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64])
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_mtp_preset_is_lossless(plain, k, page):
     _check(engine("tiny-llama-mtp", "mtp", k, page), plain["tiny-llama"], 1)
@@ -282,7 +282,7 @@ def test_the_mtp_preset_is_the_target_preset_plus_its_module(plain):
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == 4
 
 
-@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64])
 def test_mtp_is_lossless_at_tp2(plain, page):
     _check(engine("tiny-llama-mtp", "mtp", 3, page, tp=2), plain["tiny-llama"], 1)
 
