@@ -28,7 +28,6 @@ import json
 import math
 import random
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path

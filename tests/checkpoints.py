@@ -148,7 +148,7 @@ def make_qwen3_next_with_mtp(directory: Path, seed: int = 0, embedding_scale: fl
     ones. At 30x (measured on the test prompts) acceptance lengths are 2.2-3.1 of 4 at k = 3,
     and a verify that skips the state commit still changes the greedy tokens: the linear layers'
     state still matters."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from specray.models.drafter_presets import mtp_checkpoint
     from specray.models.presets import write_checkpoint

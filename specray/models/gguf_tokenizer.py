@@ -17,7 +17,6 @@ digits are split off first, as llama.cpp and SmolLM's own tokenizer do (see ``_s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer

@@ -24,7 +24,6 @@ from specray.kv.state import StateGeometry, allocate_state_pool, num_state_slots
 from specray.models.arch import ModelArch
 from specray.models.attention import build_metadata
 from specray.models.block_attention import BLOCK_DECODE_PAGE_SIZES
-from specray.models.decoder import CausalLM
 from specray.models.drafters import build_drafter
 from specray.models.drafters.common import last_rows
 from specray.models.linear_state import commit_accepted
