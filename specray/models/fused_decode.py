@@ -18,6 +18,10 @@ The path serves float32 CPU steps where specray's kernels are built, every layer
 prompt (prompts go to SDPA); rows up to small_gemm's limit. Captured layers (the features of
 drafters conditioned on the target) are copied between runs of layers. Everything else takes
 the module-by-module torch path, which stays the reference.
+
+A one-model drafter's lone layer (EAGLE-3's, an MTP module's dense block) takes the same two
+blocks, each step checked by ``lone_layer_kernels``; EAGLE-3's attention block builds its
+2H-wide q/k/v input in C (specray_eagle3_attention_block).
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def _layer_table(model, pools: list[torch.Tensor]) -> torch.Tensor:
     cached = getattr(model, "_fused_layer_table", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    table = torch.tensor([layer_row(layer.input_layernorm.weight, layer.self_attn, layer.post_attention_layernorm.weight,
-                                    layer.mlp, pool) for layer, pool in zip(model.layers, pools)], dtype=torch.int64)
+    rows = [layer_row(layer.input_layernorm.weight, layer.self_attn, layer.post_attention_layernorm.weight, layer.mlp,
+                      pool) for layer, pool in zip(model.layers, pools)]
+    table = torch.tensor(rows, dtype=torch.int64)
     model._fused_layer_table = (key, table)
     return table
 

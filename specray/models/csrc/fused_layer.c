@@ -9,8 +9,9 @@
  *
  * and specray_dense_layers runs every layer with both blocks in one call where there is no
  * all-reduce (a tensor-parallel group of one). specray_eagle3_attention_block is the attention
- * block of EAGLE-3's layer, whose q/k/v read two normed inputs side by side. The steps are the kernels of small_gemm.c and
- * decode_ops.c, called in the order the torch path runs them, on scratch of this call.
+ * block of EAGLE-3's layer, whose q/k/v read two normed inputs side by side. The steps are the
+ * kernels of small_gemm.c and decode_ops.c, called in the order the torch path runs them, on
+ * scratch of this call.
  *
  * Each of the four weights has a GGML type in the layer table: 0 (F32) runs small_gemm on a
  * float32 weight, a quantized type runs quant_gemv.c on its blocks, which gives small_gemm's

@@ -150,7 +150,7 @@ class Eagle3Drafter(nn.Module):
         attn, eps = self.self_attn, self.fmt.arch.rms_norm_eps
         row, step, shape = layer_tables(self, self.rotary, h, positions, self.input_layernorm.weight, attn,
                                         self.post_attention_layernorm.weight, self.mlp, pool, meta)
-        x = h.clone()  # h, then the residual stream (h itself is kept)
+        x = h.clone(memory_format=torch.contiguous_format)  # h, then the residual stream (h is kept)
         o = kernels.eagle3_attention_block(row, shape, step, eps, attn.scale, emb.contiguous(),
                                            self.hidden_norm.weight, self.fmt.norm_before_residual, x)
         return add_mlp_block(kernels, row, shape, eps, x, o, attn, self.mlp)
