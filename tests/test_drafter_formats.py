@@ -218,8 +218,8 @@ def test_last_layer_on_the_drafted_slots_only_equals_the_whole_block(target, tmp
 @pytest.mark.parametrize("method, block_size", [("dflash", 8), ("dflash", 16), ("dspark", 8)])
 def test_the_first_layer_projects_the_mask_row_once(target, tmp_path, monkeypatch, method, block_size):
     """The first layer's q/k/v come from two rows a sequence (the last token, one mask row) repeated over the block
-    (issue 29): the drafts and their logits equal the block projected row by row, to the bit, at two sequences and
-    over two steps and at two sequences in one batch."""
+    (issue 29): the drafts and their logits equal the block projected row by row, to the bit, over two steps of one
+    sequence and at two sequences in one batch."""
     from specray.models.drafters.dflash import DFlashDrafter
 
     target_dir, model, hf = target
@@ -227,7 +227,6 @@ def test_the_first_layer_projects_the_mask_row_once(target, tmp_path, monkeypatc
     drafter = load(method, write(tmp_path / "d", target_dir, block_size=block_size), model, k=3)
     tokens = [5, 17, 3, 99, 250, 7, 7, 42, 11, 300, 2, 64, 128, 33, 90, 1, 8, 77, 6, 45]
     features = target_features(model, hf, tokens, drafter.feature_layers)
-
     other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]
     other_features = target_features(model, hf, other, drafter.feature_layers)
 
