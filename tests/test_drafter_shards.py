@@ -56,13 +56,16 @@ class ThreadRanks:
             except BaseException as e:  # noqa: BLE001 (reported below, and the other ranks released)
                 errors.append(e)
                 self.barrier.abort()
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.size)]
+        threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+                   for r in range(self.size)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        if errors:
-            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"rank threads still running after 120 s: {[t.name for t in threads if t.is_alive()]}")
+        if errors:  # the failing rank's error, not the broken barrier it left the others
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         return results
 
 
