@@ -4,7 +4,8 @@ lengths (and a mutation that lets prefill rows into the decision does); a sequen
 pages for its tokens plus the length chosen for it, never the ceiling (and a mutation that
 reserves the ceiling, as a static k does, is caught); lengths stay put under a steady noisy
 load (bounded switches per 100 steps, through the engine's observe path; without the margin
-they flap). The step times are what a known linear cost gives, so the online fit stays on it."""
+they flap); a request with too few steps left to use a probe is not probed. The step times are
+what a known linear cost gives, so the online fit stays on it."""
 
 from __future__ import annotations
 
@@ -216,3 +217,19 @@ def test_a_steps_shape_counts_drafter_rows_only_for_a_drafter_that_runs_a_model(
         num_decode_rows=2, num_verify_rows=3, num_prefill_tokens=3, num_draft_rows=0, num_draft_forwards=0)
     assert step_shape("draft_model", plan, planned, [3, 0, 0]) == StepShape(
         num_decode_rows=2, num_verify_rows=3, num_prefill_tokens=3, num_draft_rows=5, num_draft_forwards=3)
+
+
+def test_a_request_too_short_to_use_a_probe_is_not_probed():
+    # the scheduler hook passes each row's steps left (max_tokens less its output) to the decision
+    adaptive = AdaptiveDraftLengths("ngram", K, prior=TRUE,
+                                    policy=DraftLengthPolicy(ceiling=K, probe_interval=4, prior_acceptance=0.0))
+    adaptive.controller.record(-1, 1, 0)  # the engine has verified a draft: requests wait their interval
+    adaptive.controller.forget(-1)
+    short, long = sequence(1, 3, max_tokens=8), sequence(2, 3, max_tokens=100)
+    runs = []
+    for _ in range(5):
+        runs.append(adaptive.choose([short, long]))
+        for seq in (short, long):
+            seq.token_ids.append(0)
+    # at the fifth step both are due; the short one has 4 steps left, no more than the interval
+    assert runs == [[0, 0]] * 4 + [[0, 1]], runs

@@ -223,6 +223,8 @@ def test_prompt_lookup_drafts_cost_their_verify_rows_only():
     (lambda: DraftLengthPolicy(ceiling=4, prior_acceptance=2), r"prior_acceptance \(2\) must be in \[0.0, 1.0\]"),
     (lambda: DraftLengthPolicy(ceiling=4, switch_margin=-0.1), r"switch_margin \(-0.1\) must be >= 0"),
     (lambda: DraftLengthPolicy(ceiling=4, probe_interval=0), r"probe_interval \(0\) must be an integer >= 1"),
+    (lambda: DraftLengthPolicy(ceiling=4, population_probe_interval=0),
+     r"population_probe_interval \(0\) must be an integer >= 1"),
     (lambda: DraftLengthPolicy(ceiling=4, population_weight=-1), r"population_weight \(-1\) must be >= 0"),
     (lambda: DraftLengthPolicy(ceiling=4, population_memory=0), r"population_memory \(0\) must be an integer >= 1"),
     (lambda: Evidence.empty(1, 0.5).record(1, 2), r"accepted \(2\) <= proposed \(1\) <= ceiling \(1\)"),
@@ -232,6 +234,27 @@ def test_prompt_lookup_drafts_cost_their_verify_rows_only():
 def test_bad_input_names_the_value_and_the_rule(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_a_request_without_the_steps_to_use_a_probe_does_not_probe():
+    # a probe pays only through the steps after it: a request with probe_interval steps or fewer
+    # left stays at 0, unless no draft was verified engine-wide for population_probe_interval steps
+    policy = DraftLengthPolicy(ceiling=3, probe_interval=4, population_probe_interval=10, prior_acceptance=0.0)
+    ctl = DraftLengthController(policy, "ngram")
+    ctl.record(-1, 1, 0)  # the engine has verified a draft: new requests wait their interval
+    ctl.forget(-1)
+    runs = [ctl.decide([1, 2], CPU, steps_left=[20 - step, 4 - step]) for step in range(4)]
+    assert runs == [[0, 0], [0, 0], [0, 0], [0, 0]]  # step 4: request 1 due next, request 2 never can use it
+    assert ctl.decide([1, 2], CPU, steps_left=[16, 1]) == [1, 0]  # 1 probes; 2 (1 step left) is not taken along
+    ctl.record(1, 1, 0)
+    ctl.record(2, 0, 0)
+    # request 3 (3 steps left each time it is asked) is due from step 4 but never probes while the
+    # population is fresh; at 10 steps without a verified draft engine-wide it probes
+    lengths = [ctl.decide([3], CPU, steps_left=[3])[0] for _ in range(11)]
+    assert lengths == [0] * 10 + [1], lengths
+    ctl.record(3, 1, 0)
+    assert ctl.steps_since_verify == 0
+    assert ctl.decide([4], CPU, steps_left=[None]) == [0]  # unbounded: waits its interval as before
 
 
 def test_probes_fall_due_together():

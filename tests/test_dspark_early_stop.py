@@ -113,8 +113,8 @@ class AtCeiling:
     def __getattr__(self, name):
         return getattr(self.controller, name)
 
-    def decide(self, seq_ids, cost):
-        self.controller.decide(seq_ids, cost)  # keeps its probes' and histogram's bookkeeping
+    def decide(self, seq_ids, cost, steps_left=None):
+        self.controller.decide(seq_ids, cost, steps_left)  # keeps its probes' and histogram's bookkeeping
         return [K] * len(seq_ids)
 
 

@@ -70,7 +70,7 @@ class AdaptiveDraftLengths:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""
         ids = [seq.seq_id for seq in decoding]
         cost = self.cost.at(len(ids))
-        lengths = self.controller.decide(ids, cost)
+        lengths = self.controller.decide(ids, cost, [seq.params.max_tokens - len(seq.output_ids) for seq in decoding])
         self._planned = dict(zip(ids, lengths))
         self.verify_threshold = None
         if self.confidence_gated and any(lengths):

@@ -46,6 +46,12 @@ Staleness of the estimate: a request at length 0 shows nothing, so after ``probe
 steps without a verify it drafts one token (a probe) to refresh p_0; while the engine has never
 verified a draft (its first requests), a request probes at its first decode step. A step that
 probes takes along every row at 0 past half its interval, so that probes fall on few steps.
+A probe pays only through the steps that use what it shows: a request with ``probe_interval``
+steps or fewer left (its ``max_tokens``) does not probe, unless no draft has been verified
+engine-wide for ``population_probe_interval`` steps (the population, which every new request
+starts from, must not freeze either). Measured on the trained EAGLE-3 at concurrency 1 (48-token
+requests): a probe step took 27.5 ms against a 6 ms plain step (the drafter catches up on the
+prompt and the paused steps), and each request's probe at its step 32 cost ~4% of the run.
 """
 
 from __future__ import annotations
@@ -193,7 +199,11 @@ class DraftLengthPolicy:
     switch_margin: float = 0.05
     """Keep the previous lengths unless the best beats their modelled goodput by this fraction."""
     probe_interval: int = 32
-    """Steps without a verify after which a request at length 0 drafts one token."""
+    """Steps without a verify after which a request at length 0 drafts one token (a probe), where
+    it has more steps left than this to use what the probe shows."""
+    population_probe_interval: int = 256
+    """Steps without any verified draft engine-wide after which a due request probes whatever it
+    has left."""
 
     def __post_init__(self) -> None:
         _check_ceiling(self.ceiling)
@@ -207,6 +217,9 @@ class DraftLengthPolicy:
             raise ConfigError(f"switch_margin ({self.switch_margin!r}) must be >= 0 (a fraction of goodput)")
         if not isinstance(self.probe_interval, int) or self.probe_interval < 1:
             raise ConfigError(f"probe_interval ({self.probe_interval!r}) must be an integer >= 1 (steps)")
+        if not isinstance(self.population_probe_interval, int) or self.population_probe_interval < 1:
+            raise ConfigError(f"population_probe_interval ({self.population_probe_interval!r}) must be an "
+                              f"integer >= 1 (steps)")
 
 
 def _require_in(value, name: str, low: float, high: float, low_open: bool = False) -> None:
@@ -270,6 +283,7 @@ class DraftLengthController:
     length_histogram: Counter = field(default_factory=Counter)  # decode rows per length run
     num_steps_without_drafting: int = 0
     num_switches: int = 0  # steps whose held lengths changed for a request that already had one
+    steps_since_verify: int = 0  # steps since any request verified a draft (engine-wide)
     population: Evidence = field(init=False)  # every request's verifies, engine-wide
 
     def __post_init__(self) -> None:
@@ -295,8 +309,9 @@ class DraftLengthController:
         population = self.population_estimate()
         return population if state is None else state.evidence.estimate(population, self.policy.population_weight)
 
-    def decide(self, decode_ids: list[int], cost: StepCost) -> list[int]:
-        """Lengths for this step's decode rows (prefill rows are not passed: they never draft)."""
+    def decide(self, decode_ids: list[int], cost: StepCost, steps_left: list[int | None] | None = None) -> list[int]:
+        """Lengths for this step's decode rows (prefill rows are not passed: they never draft);
+        ``steps_left``: the most steps each may still decode, this one included (None: unbounded)."""
         draft_forwards(self.method, 0)  # an unknown method fails here, before any state changes
         states = [self._state(s) for s in decode_ids]
         population = self.population_estimate()
@@ -309,32 +324,39 @@ class DraftLengthController:
             lengths = best
             self.num_switches += 1  # a row that differs already had a length (a new one holds the best)
         self.chosen.update(zip(decode_ids, lengths))
-        run = self._with_probes(lengths, states)
+        run = self._with_probes(lengths, states, steps_left or [None] * len(states))
         for st in states:
             st.steps_unverified += 1
+        self.steps_since_verify += bool(decode_ids)
         self.length_histogram.update(run)
         self.num_steps_without_drafting += bool(decode_ids) and not any(run)
         return run
 
-    def _with_probes(self, lengths: list[int], states: list[RequestAcceptance]) -> list[int]:
+    def _with_probes(self, lengths: list[int], states: list[RequestAcceptance],
+                     steps_left: list[int | None]) -> list[int]:
         """``lengths`` with a probe (length 1) for each row at 0 that is due one, and, in a step that
         probes anyway, for each row at 0 past half its interval: the step runs the drafter for the
         first probe, so the others cost only their rows, and their next probes fall due together.
         Unaligned, 16 requests arriving a step apart each probe on a step of their own: with an
         interval of 32, one step in two runs the drafter for one row (the suspected cause of
-        issue 27's eagle3 cell at concurrency 16; docs/benchmarks.md, the partial grid)."""
+        issue 27's eagle3 cell at concurrency 16; docs/benchmarks.md, the partial grid). A row with
+        ``probe_interval`` steps or fewer left does not probe while the population is fresh (the
+        module docstring)."""
         interval = self.policy.probe_interval
-        if not self.policy.ceiling or not any(k == 0 and st.steps_unverified >= interval
-                                              for k, st in zip(lengths, states)):
+        is_stale = self.steps_since_verify >= self.policy.population_probe_interval
+        can_use = [is_stale or left is None or left > interval for left in steps_left]
+        if not self.policy.ceiling or not any(k == 0 and st.steps_unverified >= interval and use
+                                              for k, st, use in zip(lengths, states, can_use)):
             return list(lengths)
-        return [1 if k == 0 and 2 * st.steps_unverified >= interval else k for k, st in zip(lengths, states)]
+        return [1 if k == 0 and 2 * st.steps_unverified >= interval and use else k
+                for k, st, use in zip(lengths, states, can_use)]
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """What a decode row's verify showed (``proposed`` 0: it drafted nothing, nothing seen)."""
         state = self._state(seq_id)
         state.evidence.record(proposed, accepted)
         if proposed:
-            state.steps_unverified = 0
+            state.steps_unverified = self.steps_since_verify = 0
             self.population.record(proposed, accepted)
 
     def forget(self, seq_id: int) -> None:
