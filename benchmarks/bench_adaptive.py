@@ -21,13 +21,15 @@ so with it the later passes would be cache hits, and how many depends on the dra
 standalone drafter's pool publishes pages only once it has drafted on them, so a drafter held at
 length 0 gets none): that would measure the cache, not speculation.
 
-Passes are interleaved (``measure``): drafter by drafter, the plain engine and each of the group's
-engines are built once and kept, and per round and c they run one pass each in turn, the order
-reversed every other round. Every ratio in a cell then compares passes run within seconds of each
-other; alternating whole engines (this benchmark before) let a burst of load fall on one
-configuration, and identical configurations differed by up to 17% between runs. A cell reports each
-configuration's median round, and ``per round`` the adaptive pass over the reference's in each
-round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
+Runs are interleaved batch by batch (``measure``): drafter by drafter, the plain engine and each of
+the group's engines are built once and kept, and per round and c each runs every batch of c chats
+in turn, the order reversed every other batch; an engine's batches of a round are its pass. Every
+ratio in a cell then compares runs of the same chats made within about a second of each other.
+Alternating whole engines (this benchmark before 12-06 11:22) let a burst of load fall on one
+configuration, and identical configurations differed by up to 17% between runs; whole passes in
+turn (until 12-07) still spread a cell's per-round ratios over 20%. Every engine spins at the CPU
+kernels' barriers (``pin_barrier_waits`` says why). A cell reports each configuration's median
+round, and ``per round`` the adaptive pass over the reference's in each round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
 decode rows in the median pass, ``off`` the steps it ran without drafting.
 
 Targets (issue 27), checked per cell: adaptive >= 0.97 x max(plain, the best static k); where
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -144,16 +147,37 @@ def adaptive_counts(llm: LLM) -> tuple[list[int], int]:
 
 def run_pass(llm: LLM, chats: list, c: int, params: SamplingParams) -> dict:
     """The chats in closed batches of c: tok/s, and what the adaptive run chose meanwhile."""
+    batches = [run_batch(llm, chats[i:i + c], params) for i in range(0, len(chats), c)]
+    return joined(batches)
+
+
+def run_batch(llm: LLM, chats: list, params: SamplingParams) -> dict:
+    """One closed batch (every chat in flight from the first token to the last): its tokens and
+    wall time, and the adaptive run's choices meanwhile."""
     hist0, off0 = adaptive_counts(llm)
-    tokens, wall = 0, 0.0
-    for i in range(0, len(chats), c):
-        start = time.perf_counter()
-        outs = llm.chat(chats[i:i + c], params)
-        wall += time.perf_counter() - start
-        tokens += sum(len(o.token_ids) for o in outs)
+    start = time.perf_counter()
+    outs = llm.chat(chats, params)
+    wall = time.perf_counter() - start
     hist1, off1 = adaptive_counts(llm)
-    lengths = [b - a for a, b in zip(hist0 or [0] * len(hist1), hist1)]
-    return dict(tok_s=tokens / wall, num_tokens=tokens, lengths=lengths, off=off1 - off0)
+    return dict(num_tokens=sum(len(o.token_ids) for o in outs), wall_s=wall,
+                lengths=[b - a for a, b in zip(hist0 or [0] * len(hist1), hist1)], off=off1 - off0)
+
+
+def joined(batches: list[dict]) -> dict:
+    """A pass from its batches: tok/s over their summed wall time."""
+    tokens, wall = sum(b["num_tokens"] for b in batches), sum(b["wall_s"] for b in batches)
+    lengths = [sum(col) for col in zip(*(b["lengths"] for b in batches))]
+    return dict(tok_s=tokens / wall, num_tokens=tokens, lengths=lengths, off=sum(b["off"] for b in batches))
+
+
+def pin_barrier_waits() -> str:
+    """Every engine of the run spins at the kernels' barriers unless SPECRAY_CPU_BARRIER_WAITS says
+    otherwise. This process holds several engines; an engine whose chooser sleeps parks an OpenMP
+    pool (workers/barrier_waits.py), and libgomp counts threads process-wide, so one engine's
+    choice slows the others' steps: measured 12-07 with five engines in turn, one ran its decode
+    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin every engine's
+    median was within 0.4 ms. A user's process holds one engine, which spins on free cores."""
+    return os.environ.setdefault("SPECRAY_CPU_BARRIER_WAITS", "spin")
 
 
 def open_engine(row: Row, chats: list) -> LLM:
@@ -170,9 +194,12 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
     costs and the one-row table it planned with).
 
     Group by group, the plain engine and every engine of the group are built once and kept; per round
-    and c each runs one pass in turn, the order reversed every other round, so every ratio in a cell
-    compares passes run within seconds of each other. The plain engine is built once and measured in
-    every group's block (its ratios are the block's own).
+    and c they run each batch of c chats in turn (the order reversed every other batch), and a pass
+    is an engine's batches of that round: every ratio in a cell compares runs of the same chats
+    made within about a second of each other, so a burst of load on this shared machine falls on
+    every configuration alike (whole passes in turn, ~10 s each, let one fall on a single
+    configuration: per-round ratios spread over 20% in the 12-07 08:34 grid). The plain engine is
+    built once and measured in every group's block (its ratios are the block's own).
     """
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     passes: dict[tuple[str, int, int], list[dict]] = {}
@@ -187,8 +214,12 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
                     engines[i] = open_engine(rows[i], chats)
                 for r in range(args.rounds):
                     for c in args.concurrency:
-                        for i in (members if r % 2 == 0 else members[::-1]):
-                            passes.setdefault((group, i, c), []).append(run_pass(engines[i], chats, c, params))
+                        batches: dict[int, list[dict]] = {i: [] for i in members}
+                        for b, start in enumerate(range(0, len(chats), c)):
+                            for i in (members if b % 2 == r % 2 else members[::-1]):
+                                batches[i].append(run_batch(engines[i], chats[start:start + c], params))
+                        for i in members:
+                            passes.setdefault((group, i, c), []).append(joined(batches[i]))
                     print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
                         f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
                                                       for c in args.concurrency) for i in members), flush=True)
@@ -292,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args.groups = [g for g in args.groups.split(",") if g]
     if args.quick:
         args.concurrency, args.num_prompts, args.rounds = [1, 4], 8, 1
+    barrier_waits = pin_barrier_waits()
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-adaptive-") as root:
         rows = configurations(args, on_own_thread(write_dflash, Path(root)))  # torch work off the main thread
@@ -299,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         passes, adaptive_stats = measure(rows, chats, args)
     result = cells(rows, passes, args)
     print(f"\n{MODEL}, HumanEval problems 0..{args.num_prompts - 1} (chat), {args.output_len} new tokens "
-          f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), median of {args.rounds} "
-          f"interleaved round(s), {time.time() - start:.0f} s; tok/s\n")
+          f"(EOS ignored), greedy, TP 1, {torch.get_num_threads()} thread(s), barrier waits {barrier_waits}, "
+          f"median of {args.rounds} round(s) interleaved batch by batch, {time.time() - start:.0f} s; tok/s\n")
     print(format_cells(result, args.ks))
     off = length0_cells(rows, passes, args)
     print(f"\nlength-0 step cost (plain tok/s / pinned-at-0 tok/s; target <= {TARGET_LENGTH0})\n")
@@ -316,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(dict(
         model=MODEL, prompts=f"HumanEval 0..{args.num_prompts - 1}", output_len=args.output_len, ks=args.ks,
         concurrency=args.concurrency, groups=args.groups or "all", rounds=args.rounds, quick=args.quick,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), barrier_waits=barrier_waits, interleaved="batch by batch",
         machine=platform.processor() or platform.machine(), cells=result, length0=off,
         adaptive_stats=adaptive_stats,
         passes=[dict(block=group, label=rows[i].label, c=c, passes=x) for (group, i, c), x in passes.items()]),

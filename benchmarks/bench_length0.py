@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, engine_config, pin_off,
-                                       run_pass, write_dflash)
+                                       pin_barrier_waits, run_pass, write_dflash)
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, SamplingParams, SpecConfig
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=Path("bench-results/length0.json"))
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    pin_barrier_waits()  # several engines in one process: bench_adaptive.pin_barrier_waits says why
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-length0-") as root:
         cells = measure(args, chats, on_own_thread(write_dflash, Path(root)))
