@@ -29,8 +29,9 @@ Alternating whole engines (this benchmark before 12-06 11:22) let a burst of loa
 configuration, and identical configurations differed by up to 17% between runs; whole passes in
 turn (until 12-07) still spread a cell's per-round ratios over 20%. Every engine spins at the CPU
 kernels' barriers (``pin_barrier_waits`` says why). A cell reports each configuration's median
-round, and ``per round`` the adaptive pass over the reference's in each round. ``lengths`` is the adaptive run's histogram of chosen draft lengths 0..ceiling over its
-decode rows in the median pass, ``off`` the steps it ran without drafting.
+round, and ``per round`` the adaptive pass over the reference's in each round. ``lengths`` is the
+adaptive run's histogram of chosen draft lengths 0..ceiling over its decode rows in the median
+pass, ``off`` the steps it ran without drafting.
 
 Targets (issue 27), checked per cell: adaptive >= 0.97 x max(plain, the best static k); where
 every draft is rejected (``dflash-none``) >= 0.98 x plain; ngram at concurrency 1 >= the best
@@ -175,8 +176,10 @@ def pin_barrier_waits() -> str:
     otherwise. This process holds several engines; an engine whose chooser sleeps parks an OpenMP
     pool (workers/barrier_waits.py), and libgomp counts threads process-wide, so one engine's
     choice slows the others' steps: measured 12-07 with five engines in turn, one ran its decode
-    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin every engine's
-    median was within 0.4 ms. A user's process holds one engine, which spins on free cores."""
+    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin the same five
+    engines' medians were within 0.4 ms. Spin removes that cause, not every one: three dflash and
+    plain engines, spinning, later gave 11.0 against 7.8 ms (docs/benchmarks.md, 12-07 10:36). A
+    user's process holds one engine, which spins on free cores."""
     return os.environ.setdefault("SPECRAY_CPU_BARRIER_WAITS", "spin")
 
 
