@@ -176,10 +176,11 @@ def pin_barrier_waits() -> str:
     otherwise. This process holds several engines; an engine whose chooser sleeps parks an OpenMP
     pool (workers/barrier_waits.py), and libgomp counts threads process-wide, so one engine's
     choice slows the others' steps: measured 12-07 with five engines in turn, one ran its decode
-    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin the same five
-    engines' medians were within 0.4 ms. Spin removes that cause, not every one: three dflash and
-    plain engines, spinning, later gave 11.0 against 7.8 ms (docs/benchmarks.md, 12-07 10:36). A
-    user's process holds one engine, which spins on free cores."""
+    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin, four of them
+    (static k = 3 left out) had medians within 0.3 and 0.5 ms in two runs. Spin removes that
+    cause, not every one: three dflash and plain engines, spinning, later gave 11.0 against
+    7.8 ms (docs/benchmarks.md, 12-07 10:36). A user's process holds one engine, which spins on
+    free cores."""
     return os.environ.setdefault("SPECRAY_CPU_BARRIER_WAITS", "spin")
 
 
