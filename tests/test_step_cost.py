@@ -10,7 +10,7 @@ import pytest
 
 from specray.executor.step_cost import (FEATURES, OnlineStepCost, StepCost, StepCostByBatch, StepShape,
                                         batch_class, fit_step_cost, interpolate_slope,
-                                        probe_shapes)
+                                        plain_line, probe_shapes)
 
 # seconds per unit, chosen distinct so that a swapped coefficient shows
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,
@@ -146,6 +146,34 @@ def test_each_batch_class_fits_its_own_steps_from_its_own_prior():
     stats = costs.stats()
     assert stats["batch"] == 4 and stats["by_batch"][1]["num_step_timings"] == 100
     assert stats["by_batch"][4]["num_step_timings"] == 0
+
+
+def test_a_plain_step_is_priced_by_the_line_through_the_batches_around_it():
+    # SmolLM2 here: 21 ms at 1 row and 21.4 at 4 (memory-bound), 67 ms at 16 (compute-bound)
+    timed = {1: 0.021, 4: 0.0214, 16: 0.067}
+    step, row = plain_line(timed, 2)  # between 1 and 4: 0.13 ms a row
+    assert (step, row) == pytest.approx((0.021 - 0.0004 / 3, 0.0004 / 3))
+    for n in (8, 16, 32):  # from 4 up (and beyond 16) the line through 4 and 16: 3.8 ms a row
+        assert plain_line(timed, n) == pytest.approx((0.0214 - 4 * 0.0038, 0.0038))
+    assert plain_line(timed, 16)[0] + 16 * plain_line(timed, 16)[1] == pytest.approx(0.067)
+    # a line through 0 ms above 0 rows (10 ms at 1 row, 50 at 2): no step cost, the time at 2 rows kept
+    assert plain_line({1: 0.010, 2: 0.050}, 2) == pytest.approx((0.0, 0.025))
+    assert plain_line({1: 0.030, 2: 0.020}, 2) == pytest.approx((0.020, 0.0))  # a faster batch: no negative row
+    for bad in ({4: 0.02}, {1: 0.02, 4: -0.01}, {0: 0.02, 4: 0.03}):
+        with pytest.raises(ValueError, match=r"two or more batch sizes \(decode rows >= 1\), each time finite and >= 0"):
+            plain_line(bad, 4)
+    with pytest.raises(ValueError, match=r"plain step times \{4: 0.02\}"):
+        StepCostByBatch(TRUE, plain_seconds={4: 0.02})
+
+
+def test_each_batch_class_takes_its_plain_line_from_the_probe():
+    costs = StepCostByBatch(TRUE, plain_seconds={1: 0.021, 4: 0.0214, 16: 0.067})
+    plain = [costs.at(n).predict(StepShape(num_decode_rows=n)) for n in (1, 4, 16)]
+    assert plain == pytest.approx([0.021, 0.0214, 0.067])
+    assert costs.at(8).predict(StepShape(num_decode_rows=8)) == pytest.approx(0.0214 + 4 * 0.0038)
+    assert costs.at(16).c_verify_row == TRUE.c_verify_row  # the rest of the prior as given
+    # without plain times, every class starts from the one prior
+    assert StepCostByBatch(TRUE).at(16).predict(StepShape(num_decode_rows=16)) == pytest.approx(0.010 + 16 * 0.003)
 
 
 def test_a_draft_that_pays_at_batch_1_is_declined_at_batch_4():

@@ -12,11 +12,12 @@ import re
 
 import pytest
 
-from specray import LLM, EngineConfig, ParallelConfig, SamplingParams, SpecConfig
+from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
-from specray.executor.probe import (PhaseTiming, fit_probe, one_row_seconds, phase_timing, probe_samples,
-                                   verify_slopes)
-from specray.executor.step_cost import StepCost, StepShape, probe_shapes
+from specray.executor.draft_length import decode_seconds
+from specray.executor.probe import (PhaseTiming, fit_probe, one_row_seconds, phase_timing, plain_seconds,
+                                   probe_samples, verify_slopes)
+from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape, probe_shapes
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,
@@ -26,18 +27,21 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def _phases(cost: StepCost, forwards: int) -> dict[str, PhaseTiming]:
-    """A timing table of the probe's phases (batch 4, k 3, prompt 32) that ``cost`` gives exactly;
-    a verify's drafting time is the drafter's part of it."""
+    """A timing table of the probe's phases (batches 4 and 16, k 3, prompt 32) that ``cost`` gives
+    exactly; a verify's drafting time is the drafter's part of it."""
     def timed(shape: StepShape) -> PhaseTiming:
         drafting = cost.c_draft_row * shape.num_draft_rows + cost.c_draft_forward * shape.num_draft_forwards
         return PhaseTiming(shape, cost.predict(shape), drafting)
 
     return {"prefill": timed(StepShape(num_prefill_tokens=32)),
-            "plain_one": timed(StepShape(num_decode_rows=1)), "plain_many": timed(StepShape(num_decode_rows=4)),
+            "plain_one": timed(StepShape(num_decode_rows=1)), "plain_4": timed(StepShape(num_decode_rows=4)),
+            "plain_16": timed(StepShape(num_decode_rows=16)),
             "verify_one": timed(StepShape(num_decode_rows=1, num_verify_rows=3, num_draft_rows=3,
                                           num_draft_forwards=forwards)),
-            "verify_many": timed(StepShape(num_decode_rows=4, num_verify_rows=12, num_draft_rows=12,
-                                           num_draft_forwards=forwards))}
+            "verify_4": timed(StepShape(num_decode_rows=4, num_verify_rows=12, num_draft_rows=12,
+                                        num_draft_forwards=forwards)),
+            "verify_16": timed(StepShape(num_decode_rows=16, num_verify_rows=48, num_draft_rows=48,
+                                         num_draft_forwards=forwards))}
 
 
 @pytest.mark.parametrize("forwards", [3, 1])  # a drafter forward per position (draft_model), one per block
@@ -48,24 +52,71 @@ def test_the_probe_fit_recovers_the_coefficients_of_a_timing_table(forwards):
     samples = probe_samples(_phases(TRUE, forwards))
     assert samples[3] == (StepShape(num_decode_rows=1, num_draft_rows=3, num_draft_forwards=forwards),
                           pytest.approx(0.013 + 0.003 + 0.002 * forwards))
-    # the samples are step_cost.probe_shapes' six, then the verify of one sequence
-    shapes = probe_shapes(max_num_seqs=4, ceiling=3, prefill_tokens=32, per_position=forwards == 3)
-    assert [shape for shape, _ in samples] == shapes + [_phases(TRUE, forwards)["verify_one"].shape]
+    # the samples are step_cost.probe_shapes' six at the largest batch, then the verify of one
+    # sequence, then batch 4's plain step, drafter alone and verify
+    shapes = probe_shapes(max_num_seqs=16, ceiling=3, prefill_tokens=32, per_position=forwards == 3)
+    four = [StepShape(num_decode_rows=4), StepShape(num_decode_rows=4, num_draft_rows=12, num_draft_forwards=forwards),
+            _phases(TRUE, forwards)["verify_4"].shape]
+    assert [shape for shape, _ in samples] == shapes + [_phases(TRUE, forwards)["verify_one"].shape] + four
 
 
 def test_the_probe_prices_a_verified_draft_at_each_of_its_batch_sizes():
-    # a linear table: the same slope at both batches (its verify rows at 2.5 ms, drafting apart)
-    assert verify_slopes(_phases(TRUE, 3)) == pytest.approx({1: 0.0025, 4: 0.0025})
+    # a linear table: the same slope at every batch (its verify rows at 2.5 ms, drafting apart)
+    assert verify_slopes(_phases(TRUE, 3)) == pytest.approx({1: 0.0025, 4: 0.0025, 16: 0.0025})
+    assert plain_seconds(_phases(TRUE, 3)) == pytest.approx({1: 0.013, 4: 0.022, 16: 0.058})  # 10 ms + 3 ms a row
     # SmolLM2 here (ngram, k = 5): 21.2 ms plain and 25.7 ms with 5 drafts at batch 1 (memory-bound),
     # 21.4 ms and 100.3 ms with 4 x 5 at batch 4 (compute-bound); 0.06 ms of lookup each
     phases = {"plain_one": PhaseTiming(StepShape(num_decode_rows=1), 0.0212, 0.0),
               "verify_one": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=5), 0.0257, 0.00006),
-              "plain_many": PhaseTiming(StepShape(num_decode_rows=4), 0.0214, 0.0),
-              "verify_many": PhaseTiming(StepShape(num_decode_rows=4, num_verify_rows=20), 0.1003, 0.00006)}
+              "plain_4": PhaseTiming(StepShape(num_decode_rows=4), 0.0214, 0.0),
+              "verify_4": PhaseTiming(StepShape(num_decode_rows=4, num_verify_rows=20), 0.1003, 0.00006)}
     assert verify_slopes(phases) == pytest.approx({1: 0.000888, 4: 0.003942})  # (25.7 - 21.2 - 0.06) / 5, .../ 20
     # a lookup that found nothing to verify gives no slope at that batch
     phases["verify_one"] = PhaseTiming(StepShape(num_decode_rows=1), 0.0213, 0.00006)
     assert set(verify_slopes(phases)) == {4}
+
+
+def _compute_bound(rows: int) -> float:
+    """A target step's seconds by its rows (decode and verified drafts alike): 21 ms up to 4
+    (memory-bound), then 4 ms a row up to 24 and 5 ms beyond (a batch's KV outgrows the cache)."""
+    return 0.021 if rows <= 4 else 0.021 + 0.004 * (rows - 4) if rows <= 24 else 0.101 + 0.005 * (rows - 24)
+
+
+def _timed_phase(num_seqs: int, drafts: int) -> PhaseTiming:
+    """A phase of ``num_seqs`` rows each verifying ``drafts`` (a block drafter: 1 ms a draft row
+    and 4 ms a forward) on the target above."""
+    rows = num_seqs * drafts
+    drafting = 0.001 * rows + (0.004 if rows else 0.0)
+    shape = StepShape(num_decode_rows=num_seqs, num_verify_rows=rows, num_draft_rows=rows,
+                      num_draft_forwards=1 if rows else 0)
+    return PhaseTiming(shape, _compute_bound(num_seqs + rows) + drafting, drafting)
+
+
+def test_a_batch_whose_steps_all_draft_one_length_keeps_its_plain_price():
+    """Sixteen requests drafting 5 every step vary decode and verify rows together: the class's
+    steps fix their sum, and the prior splits it. With the probe timing batch 16 the prior is
+    right there and the fit keeps a plain step's price; with batches 1 and 4 only (before 12-07),
+    a plain step of 16 was priced from memory-bound rows and the window's error spread over
+    every feature (the grid's batch-16 fit: 108 ms for a plain step the runs put at ~67)."""
+    phases = {"prefill": PhaseTiming(StepShape(num_prefill_tokens=32), _compute_bound(32), 0.0),
+              "plain_one": _timed_phase(1, 0), "verify_one": _timed_phase(1, 5)}
+    for size in (4, 16):
+        phases[f"plain_{size}"], phases[f"verify_{size}"] = _timed_phase(size, 0), _timed_phase(size, 5)
+    busy = _timed_phase(16, 5)
+    plain, one_each = _compute_bound(16), _compute_bound(32) + 0.016 + 0.004  # 69 and 161 ms
+
+    def priced(phases: dict[str, PhaseTiming], **kw) -> tuple[float, float]:
+        costs = StepCostByBatch(fit_probe(phases), verify_slopes=verify_slopes(phases), **kw)
+        for _ in range(256):  # a full window of steps at length 5
+            costs.record(busy.shape, busy.seconds)
+        cost = costs.at(16)
+        return cost.predict(StepShape(num_decode_rows=16)), decode_seconds(cost, [1] * 16, "dflash")
+
+    assert priced(phases, plain_seconds=plain_seconds(phases)) == pytest.approx((plain, one_each), rel=0.05)
+    # mutation: the probe stops at batch 4 (the plain line from batches 1 and 4)
+    upto4 = {name: phase for name, phase in phases.items() if not name.endswith("_16")}
+    wrong_plain, _ = priced(upto4, plain_seconds=plain_seconds(upto4))
+    assert abs(wrong_plain / plain - 1) > 0.2, wrong_plain
 
 
 def test_the_probe_seeds_the_one_row_table_with_each_lengths_target_time():
@@ -146,6 +197,21 @@ def test_the_probe_runs_at_start_up_and_leaves_nothing_behind(method, plain, cap
     ms = float(re.search(r"probed in (\d+) ms", line).group(1))
     # bounded: 100-200 ms on this host when idle; the bound leaves room for a loaded shared CPU
     assert "step cost (ms)" in line and ms < 10_000, line
+
+
+@pytest.mark.parametrize("kw, batches", [
+    (dict(), {1, 4, 16}),  # up to MAX_PROBE_BATCH
+    (dict(max_num_seqs=8), {1, 4, 8}),
+    (dict(max_num_seqs=3), {1, 3}),
+    # 16 sequences of the probe's longest need 240 pages of 16 tokens: halved to 8 (104 pages)
+    (dict(kv=KVConfig(tokens_per_block=16, capacity_tokens=2048)), {1, 4, 8}),
+])
+def test_the_probe_times_the_largest_batch_the_engine_allows(kw, batches, plain):
+    with LLM(_config("ngram", **kw)) as llm:
+        adaptive = llm._engine.core.adaptive
+        assert set(adaptive.cost.plain_seconds) == batches
+        assert set(adaptive.cost.verify_slopes) <= batches
+        _check_clean(llm._engine.core)
 
 
 def test_the_probe_at_tp_2_under_mp(plain):

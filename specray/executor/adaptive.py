@@ -46,11 +46,13 @@ class AdaptiveDraftLengths:
     def __init__(self, method: str, ceiling: int, *, prior: StepCost = PRIOR_COST, prior_source: str = "fixed",
                  probe_note: str = "", policy: DraftLengthPolicy | None = None, window: int = 256,
                  confidence_gated: bool = False, verify_slopes: dict[int, float] | None = None,
-                 one_row_seconds: dict[int, float] | None = None):
+                 plain_seconds: dict[int, float] | None = None, one_row_seconds: dict[int, float] | None = None):
         """``prior_source``: "probed" (measured at start-up) or "fixed" (``PRIOR_COST``);
         ``probe_note``: how the probe went, for the one start-up log line; ``confidence_gated``:
         the drafter's confidence head decides what is verified (see the module docstring);
         ``verify_slopes``: seconds per verified draft by decode rows, as the probe measured them;
+        ``plain_seconds``: a plain step's seconds by decode rows, the same (each batch class's
+        prior, ``StepCostByBatch``);
         ``one_row_seconds``: the target's seconds of a one-row step by verified drafts, as the
         probe measured them (``OneRowVerify``'s seeds)."""
         self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
@@ -59,12 +61,14 @@ class AdaptiveDraftLengths:
         self.num_drafts_not_verified = 0  # drafted by the chosen length, cut by the confidence head
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
-        self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, window=window, refit_every=8,
-                                    one_row=OneRowVerify(ceiling, seeds=one_row_seconds))
+        self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, plain_seconds=plain_seconds, window=window,
+                                    refit_every=8, one_row=OneRowVerify(ceiling, seeds=one_row_seconds))
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
         slopes = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((verify_slopes or {}).items()))
-        log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s%s", method, ceiling, prior.describe(),
-                 probe_note or prior_source, f"; per verified draft {slopes} decode rows" if slopes else "")
+        plain = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((plain_seconds or {}).items()))
+        log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s%s%s", method, ceiling, prior.describe(),
+                 probe_note or prior_source, f"; per verified draft {slopes} decode rows" if slopes else "",
+                 f"; a plain step {plain} decode rows" if plain else "")
 
     def choose(self, decoding) -> list[int]:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""

@@ -7,12 +7,17 @@ pages, state slots) builds the plans, and the engine's step function sends each 
 followers and runs rank 0's share, so every rank runs the same forwards with its own kernels and
 collectives. Nothing here runs a model.
 
-The schedule (``ProbeSize``: batch S, prompt P, R repetitions; k the ceiling), each phase one
-warm-up step then R timed ones:
+The schedule (``ProbeSize``: batch sizes S_1 < S_2, prompt P, R repetitions; k the ceiling),
+each phase one warm-up step then R timed ones:
 - prefill: a fresh sequence's prompt of P tokens alone (aborted after);
 - plain 1, verify 1: one sequence at draft length 0, then at every length 1..k (a one-row
   step's verify is priced per length, ``executor/one_row.py``; the fit takes length k's);
-- plain S, verify S: S sequences at draft length 0, then k.
+- plain S, verify S, for S = S_1 then S_2: S sequences at draft length 0, then k.
+S_1 is 4 and S_2 the largest batch up to 16 the engine allows (``MAX_PROBE_BATCH``): each batch
+class's prior takes its plain line and its price of a verified draft from the batches around it
+(``StepCostByBatch``), and a class whose steps all draft one length never corrects the split
+between the two itself. Measured batches stop at 16 (the issue's largest concurrency); beyond,
+the line through 4 and 16 extends.
 A phase's time is the median of its R steps, not the minimum: a one-off stall (a page touched
 first, a collective's first use, the garbage collector) moves a median less than a mean, and the
 median is the typical step, which the online fit measures afterwards, where the minimum would be
@@ -48,24 +53,37 @@ from specray.executor.step_cost import StepCost, StepShape, fit_step_cost
 from specray.kv.allocator import blocks_needed
 
 
+MAX_PROBE_BATCH = 16  # the largest batch the probe times (the module docstring)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeSize:
-    num_seqs: int  # S, the batch of the "many" phases
+    batch_sizes: tuple[int, ...]  # S_1 < S_2 ..., the batches of the "many" phases
     prompt_tokens: int  # P
     period: int  # of the dummy tokens' pattern (ids 1..period)
     repetitions: int = 3  # timed steps per phase
 
     def __post_init__(self) -> None:
-        if self.num_seqs < 2 or self.prompt_tokens < 1 or self.period < 1 or self.repetitions < 1:
-            raise ConfigError(f"ProbeSize needs num_seqs ({self.num_seqs}) >= 2 (two batch sizes fix the per-row "
-                              f"cost), prompt_tokens ({self.prompt_tokens}), period ({self.period}) and "
+        sizes = self.batch_sizes
+        if not sizes or sizes[0] < 2 or list(sizes) != sorted(set(sizes)):
+            raise ConfigError(f"ProbeSize.batch_sizes ({sizes!r}) must be one or more increasing batch sizes >= 2 "
+                              f"(with batch 1, two sizes fix the per-row cost)")
+        if self.prompt_tokens < 1 or self.period < 1 or self.repetitions < 1:
+            raise ConfigError(f"ProbeSize needs prompt_tokens ({self.prompt_tokens}), period ({self.period}) and "
                               f"repetitions ({self.repetitions}) >= 1")
+
+    @property
+    def num_seqs(self) -> int:
+        """The probe's largest batch: every sequence it holds at once."""
+        return self.batch_sizes[-1]
 
     def longest(self, ceiling: int) -> int:
         """The most tokens a probe sequence reaches: its prompt, every decode step at 1 + k
-        (k + 3 decode phases, plus up to S steps that admit the batch), and the lookahead."""
-        num_phases = ceiling + 3  # plain 1, verify 1 at lengths 1..k, plain S, verify S
-        return self.prompt_tokens + (num_phases * (self.repetitions + 1) + self.num_seqs) * (1 + ceiling) + ceiling
+        (k + 1 one-row phases and two per batch size, plus the steps that admit each batch: at
+        most one per sequence added, the budget holding a prompt, and one more), and the lookahead."""
+        num_phases = ceiling + 1 + 2 * len(self.batch_sizes)
+        admitting = self.num_seqs + len(self.batch_sizes)
+        return self.prompt_tokens + (num_phases * (self.repetitions + 1) + admitting) * (1 + ceiling) + ceiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +101,33 @@ def phase_timing(steps: list[tuple[StepShape, float, float]]) -> PhaseTiming:
     return PhaseTiming(shape, median(t for t, _ in kept), median(d for _, d in kept))
 
 
+def batch_phases(phases: dict[str, PhaseTiming]) -> list[tuple[PhaseTiming, PhaseTiming]]:
+    """(plain, verify) at each batch the probe timed, batch 1 first, then by size."""
+    sizes = sorted(int(name[6:]) for name in phases if name.startswith("plain_") and name[6:].isdigit())
+    for size in sizes:
+        if phases[f"plain_{size}"].shape.num_decode_rows != size:  # each batch's prices are keyed by its rows
+            raise RuntimeError(f"the step-cost probe's plain phase at batch {size} ran "
+                               f"{phases[f'plain_{size}'].shape.num_decode_rows} decode rows")
+    return [(phases["plain_one"], phases["verify_one"])] + [(phases[f"plain_{s}"], phases[f"verify_{s}"])
+                                                           for s in sizes]
+
+
 def probe_samples(phases: dict[str, PhaseTiming]) -> list[tuple[StepShape, float]]:
-    """The (shape, seconds) samples of the probe's phases: probe_shapes' six and the verify of
-    one sequence; the drafter alone is the plain step of its rows plus the verify's drafting."""
-    plain_one, plain_many = phases["plain_one"], phases["plain_many"]
-    verify_one, verify_many = phases["verify_one"], phases["verify_many"]
+    """The (shape, seconds) samples of the probe's phases: probe_shapes' six (at the largest
+    batch), then the verify of one sequence and each smaller batch's plain, drafter-alone and
+    verify samples; the drafter alone is the plain step of its rows plus the verify's drafting."""
+    (plain_one, verify_one), *middle, (plain_many, verify_many) = batch_phases(phases)
 
     def drafter_alone(plain: PhaseTiming, verify: PhaseTiming) -> tuple[StepShape, float]:
         return replace(verify.shape, num_verify_rows=0), plain.seconds + verify.draft_seconds
 
-    return [(plain_one.shape, plain_one.seconds), (plain_many.shape, plain_many.seconds),
-            (phases["prefill"].shape, phases["prefill"].seconds),
-            drafter_alone(plain_one, verify_one), drafter_alone(plain_many, verify_many),
-            (verify_many.shape, verify_many.seconds), (verify_one.shape, verify_one.seconds)]
+    samples = [(plain_one.shape, plain_one.seconds), (plain_many.shape, plain_many.seconds),
+               (phases["prefill"].shape, phases["prefill"].seconds),
+               drafter_alone(plain_one, verify_one), drafter_alone(plain_many, verify_many),
+               (verify_many.shape, verify_many.seconds), (verify_one.shape, verify_one.seconds)]
+    for plain, verify in middle:
+        samples += [(plain.shape, plain.seconds), drafter_alone(plain, verify), (verify.shape, verify.seconds)]
+    return samples
 
 
 def fit_probe(phases: dict[str, PhaseTiming]) -> StepCost:
@@ -111,16 +143,21 @@ def fit_probe(phases: dict[str, PhaseTiming]) -> StepCost:
 
 
 def verify_slopes(phases: dict[str, PhaseTiming]) -> dict[int, float]:
-    """Seconds per verified draft at the probe's two batch sizes (decode rows -> slope): a verify
-    phase's step over the plain phase's of the same rows, less its drafting, per verify row. A
-    batch whose lookup proposed nothing (no verify row) has none."""
+    """Seconds per verified draft at each batch size the probe timed (decode rows -> slope): a
+    verify phase's step over the plain phase's of the same rows, less its drafting, per verify
+    row. A batch whose lookup proposed nothing (no verify row) has none."""
     out = {}
-    for plain, verify in ((phases["plain_one"], phases["verify_one"]), (phases["plain_many"], phases["verify_many"])):
+    for plain, verify in batch_phases(phases):
         rows = verify.shape.num_verify_rows
         if rows:
             extra = verify.seconds - plain.seconds - verify.draft_seconds
             out[verify.shape.num_decode_rows] = max(extra, 0.0) / rows
     return out
+
+
+def plain_seconds(phases: dict[str, PhaseTiming]) -> dict[int, float]:
+    """A plain step's seconds at each batch size the probe timed (decode rows -> seconds)."""
+    return {plain.shape.num_decode_rows: plain.seconds for plain, _ in batch_phases(phases)}
 
 
 def one_row_seconds(phases: dict[str, PhaseTiming]) -> dict[int, float]:
@@ -142,33 +179,46 @@ class ProbeResult:
     num_steps: int
     size: ProbeSize
     verify_slopes: dict[int, float]  # seconds per verified draft by decode rows (StepCostByBatch's priors)
+    plain_seconds: dict[int, float]  # a plain step's seconds by decode rows (the same)
     one_row_seconds: dict[int, float]  # a one-row step's target seconds by verified drafts (OneRowVerify's seeds)
 
     def describe(self) -> str:
-        return (f"probed in {self.seconds * 1e3:.0f} ms ({self.num_steps} steps, batch {self.size.num_seqs}, "
+        batches = ", ".join(map(str, self.size.batch_sizes))
+        return (f"probed in {self.seconds * 1e3:.0f} ms ({self.num_steps} steps, batches 1, {batches}, "
                 f"prompt {self.size.prompt_tokens} tokens, median of {self.size.repetitions})")
 
 
 def probe_size(scheduler: Scheduler, config: EngineConfig, vocab_size: int, max_len: int) -> ProbeSize | str:
-    """The schedule's size on this engine, or why the probe cannot run on it."""
+    """The schedule's size on this engine, or why the probe cannot run on it: the largest batch
+    up to ``MAX_PROBE_BATCH`` that the engine's limits, pools and positions allow, halved until
+    one fits."""
     k, budget = scheduler.num_draft_tokens, scheduler.max_num_batched_tokens
-    num_seqs = min(4, scheduler.max_num_seqs, budget // (1 + k))
-    if num_seqs < 2:
+    largest = min(MAX_PROBE_BATCH, scheduler.max_num_seqs, budget // (1 + k))
+    if largest < 2:
         return (f"skipped: max_num_seqs ({scheduler.max_num_seqs}) and a step budget of {budget} tokens allow "
-                f"{num_seqs} sequence(s) of 1 + {k} rows, and the probe needs 2")
+                f"{largest} sequence(s) of 1 + {k} rows, and the probe needs 2")
     period = min(8, vocab_size - 1)
     # ngram matches the latest n-gram earlier on: the prompt holds it and k tokens after it
     prompt = min(max(32, 2 * (period + k + (config.spec.prompt_lookup_max or 0))), budget)
-    size = ProbeSize(num_seqs=num_seqs, prompt_tokens=prompt, period=period)
-    longest = size.longest(k)
-    draft = scheduler.draft_allocator
-    pages = (num_seqs * blocks_needed(longest, scheduler.tokens_per_block),
-             num_seqs * blocks_needed(longest, scheduler.draft_tokens_per_block) if draft is not None else 0)
+    while True:
+        size = ProbeSize(batch_sizes=tuple(sorted({min(4, largest), largest})), prompt_tokens=prompt, period=period)
+        why = _does_not_fit(scheduler, size, max_len)
+        if why is None:
+            return size
+        if largest // 2 < 2:
+            return f"skipped: {why}"
+        largest //= 2
+
+
+def _does_not_fit(scheduler: Scheduler, size: ProbeSize, max_len: int) -> str | None:
+    longest, draft = size.longest(scheduler.num_draft_tokens), scheduler.draft_allocator
+    pages = (size.num_seqs * blocks_needed(longest, scheduler.tokens_per_block),
+             size.num_seqs * blocks_needed(longest, scheduler.draft_tokens_per_block) if draft is not None else 0)
     is_short = pages[0] > scheduler.allocator.num_free or (draft is not None and pages[1] > draft.num_free)
     if longest > max_len or is_short:
-        return (f"skipped: {num_seqs} sequences of up to {longest} tokens need {pages} (target, draft) pages and "
+        return (f"{size.num_seqs} sequences of up to {longest} tokens need {pages} (target, draft) pages and "
                 f"max_position_embeddings >= {longest}; the pools or the model are smaller")
-    return size
+    return None
 
 
 class ProbeRun:
@@ -231,10 +281,12 @@ class ProbeRun:
         for length in range(1, k):  # OneRowVerify's seeds: a one-row step at every length
             timings[f"verify_one_{length}"] = self.phase(length)
         timings["verify_one"] = self.phase(k)
-        others = [self.add() for _ in range(self.size.num_seqs - 1)]
-        self.length = 0
-        self._step_until_sampled(others, "admitting the batch")  # untimed
-        timings["plain_many"], timings["verify_many"] = self.phase(0), self.phase(k)
+        for size in self.size.batch_sizes:
+            running = sum(not seq.is_finished for seq in self.seqs.values())  # not the aborted prefill phase's
+            others = [self.add() for _ in range(size - running)]
+            self.length = 0
+            self._step_until_sampled(others, f"admitting a batch of {size}")  # untimed
+            timings[f"plain_{size}"], timings[f"verify_{size}"] = self.phase(0), self.phase(k)
         return timings
 
     def _step_until_sampled(self, seqs: list[Sequence], what: str) -> None:
@@ -279,7 +331,7 @@ def probe_step_cost(scheduler: Scheduler, step, worker, config: EngineConfig) ->
         raise RuntimeError(f"the step-cost probe left (target pages, draft pages, state slots) free at "
                            f"{_free_counts(scheduler)}, not {free} as before it: it must give back all it took")
     return ProbeResult(fit_probe(timings), seconds, run.num_steps, size, verify_slopes(timings),
-                       one_row_seconds(timings))
+                       plain_seconds(timings), one_row_seconds(timings))
 
 
 def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineConfig) -> AdaptiveDraftLengths:
@@ -294,4 +346,4 @@ def adaptive_draft_lengths(scheduler: Scheduler, step, worker, config: EngineCon
                                     probe_note=f"fixed (the probe {probe})", confidence_gated=gated)
     return AdaptiveDraftLengths(spec.method, scheduler.num_draft_tokens, prior=probe.cost, prior_source="probed",
                                 probe_note=probe.describe(), confidence_gated=gated, verify_slopes=probe.verify_slopes,
-                                one_row_seconds=probe.one_row_seconds)
+                                plain_seconds=probe.plain_seconds, one_row_seconds=probe.one_row_seconds)

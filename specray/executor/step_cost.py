@@ -269,6 +269,25 @@ def interpolate_slope(slopes: dict[int, float], num_rows: int) -> float:
     return points[-1][1]
 
 
+def plain_line(seconds_by_rows: dict[int, float], num_rows: int) -> tuple[float, float]:
+    """(c_step, c_decode_row) of a plain step at ``num_rows`` decode rows from plain steps timed at
+    some batch sizes: the line through the two around it (the nearest two beyond them), its
+    slope kept >= 0 and its time at ``num_rows`` kept: a class's choices compare lengths at its
+    own rows, so the time there is what must hold. Where the line crosses 0 above 0 rows (steep,
+    as when the upper batch is compute-bound), the intercept is 0 and the slope that time over
+    the rows."""
+    points = sorted(seconds_by_rows.items())
+    if len(points) < 2 or any(n < 1 or not (math.isfinite(t) and t >= 0) for n, t in points):
+        raise ConfigError(f"plain step times {seconds_by_rows!r} must be given at two or more batch sizes (decode "
+                          f"rows >= 1), each time finite and >= 0 (seconds)")
+    (n0, t0), (n1, t1) = next((pair for pair in zip(points, points[1:]) if num_rows <= pair[1][0]), points[-2:])
+    raw = (t1 - t0) / (n1 - n0)
+    at, slope = max(t0 + raw * (num_rows - n0), 0.0), max(raw, 0.0)  # the time at num_rows on that line
+    if at - slope * num_rows < 0:
+        return 0.0, at / num_rows
+    return at - slope * num_rows, slope
+
+
 class StepCostByBatch:
     """One online fit per batch class (``batch_class``), each over its own steps.
 
@@ -279,16 +298,28 @@ class StepCostByBatch:
     3 ms, four times its cost, and a request then does not draft where drafting pays most. Each
     class's fit is the local slope at its operating point. Its prior is ``prior`` with the verify
     row priced at that class's batch (``verify_slopes``: seconds per verified draft measured at
-    some decode-row counts, by the start-up probe; interpolated, ``interpolate_slope``). A step of
-    one decode row prices its verify by ``one_row`` where given (``executor/one_row.py``)."""
+    some decode-row counts, by the start-up probe; interpolated, ``interpolate_slope``) and, where
+    the probe timed plain steps at two or more batch sizes (``plain_seconds``), the per-step and
+    per-row costs of the plain line there (``plain_line``). A step of one decode row prices its
+    verify by ``one_row`` where given (``executor/one_row.py``).
 
-    def __init__(self, prior: StepCost, *, verify_slopes: dict[int, float] | None = None, window: int = 256,
-                 refit_every: int = 1, one_row: OneRowVerify | None = None):
+    Why a prior per class, not one fit's: a class whose steps all draft the same length (16
+    requests at length 5) varies decode and verify rows together, so its steps fix their sum and
+    the prior alone splits it. With one prior fitted at batches 1 and 4 (memory-bound rows), the
+    12-07 grid's batch-16 fit priced a plain step of 16 rows at 108 ms where the runs implied ~67,
+    and dflash at forced acceptance stayed at length 5 where k = 1 and plain ran faster."""
+
+    def __init__(self, prior: StepCost, *, verify_slopes: dict[int, float] | None = None,
+                 plain_seconds: dict[int, float] | None = None, window: int = 256, refit_every: int = 1,
+                 one_row: OneRowVerify | None = None):
         for n, slope in (verify_slopes or {}).items():
             if not (isinstance(n, int) and n >= 1 and math.isfinite(slope) and slope >= 0):
                 raise ConfigError(f"verify slope {slope!r} at {n!r} decode rows: rows must be an integer >= 1 and "
                                   f"the slope finite and >= 0 (seconds per verified draft)")
+        if plain_seconds:
+            plain_line(plain_seconds, 1)  # bad times fail here, not at the first step of a class
         self.prior, self.verify_slopes = prior, dict(verify_slopes or {})
+        self.plain_seconds = dict(plain_seconds or {})
         self.window, self.refit_every = window, refit_every
         self.one_row = one_row
         self._fits: dict[int, OnlineStepCost] = {}
@@ -299,6 +330,9 @@ class StepCostByBatch:
             prior = self.prior
             if self.verify_slopes:
                 prior = replace(prior, c_verify_row=interpolate_slope(self.verify_slopes, 2 ** cls))
+            if self.plain_seconds:
+                c_step, c_decode_row = plain_line(self.plain_seconds, 2 ** cls)
+                prior = replace(prior, c_step=c_step, c_decode_row=c_decode_row)
             self._fits[cls] = OnlineStepCost(prior, window=self.window, refit_every=self.refit_every)
         return self._fits[cls]
 
