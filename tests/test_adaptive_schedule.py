@@ -233,3 +233,55 @@ def test_a_request_too_short_to_use_a_probe_is_not_probed():
             seq.token_ids.append(0)
     # at the fifth step both are due; the short one has 4 steps left, no more than the interval
     assert runs == [[0, 0]] * 4 + [[0, 1]], runs
+
+
+class Scripted:
+    """A controller whose lengths come from a script; the rest (records, stats) its own."""
+
+    def __init__(self, controller, lengths):
+        self.controller, self.lengths = controller, iter(lengths)
+
+    def __getattr__(self, name):
+        return getattr(self.controller, name)
+
+    def decide(self, ids, cost, steps_left=None):
+        return next(self.lengths) if ids else []
+
+
+def timings_with_catch_ups(method: str) -> tuple[list[int], AdaptiveDraftLengths]:
+    """One request at lengths 2, 2, 0, 2, 2 after its prompt; a step takes the true cost's time
+    (and its drafting time), 50x where the step is one the engine leaves out of the fit. Per
+    step, the timings the fit took."""
+    sched, adaptive = make(method=method)
+    adaptive.controller = Scripted(adaptive.controller, [[2], [2], [0], [2], [2]])
+    sched.add(sequence(0, 6))
+    step(sched, adaptive, {}, method=method)  # the prompt: no drafter row, timed
+    got = []
+    for i in range(5):
+        before = adaptive.cost.stats()["by_batch"][1]["num_step_timings"]
+        plan = sched.schedule()
+        tokens = [[1] * (n + 1) for n in plan.num_drafts]
+        sched.finish_step(tokens, list(plan.num_drafts))
+        catching_up = method != "ngram" and i in (0, 3)  # the first draft, the first after length 0
+        shape, scale = shape_of(plan, method), 50 if catching_up else 1
+        drafting = TRUE.c_draft_row * shape.num_draft_rows + TRUE.c_draft_forward * shape.num_draft_forwards
+        adaptive.observe(plan, list(plan.num_drafts), tokens, TRUE.predict(shape) * scale, drafting * scale)
+        got.append(adaptive.cost.stats()["by_batch"][1]["num_step_timings"] - before)
+    return got, adaptive
+
+
+@pytest.mark.parametrize("method, fitted", [("draft_model", [0, 1, 1, 0, 1]), ("ngram", [1, 1, 1, 1, 1])])
+def test_a_step_whose_drafter_catches_up_is_left_out_of_the_fit(method, fitted, monkeypatch):
+    """A row's first draft, and its first after steps at length 0, is where a drafter that runs a
+    model catches up on what it has not seen: those steps are not timed into the cost model (they
+    take 50x the model's time here, and the fit stays on it). Prompt lookup runs no model: every
+    step is timed."""
+    got, adaptive = timings_with_catch_ups(method)
+    assert got == fitted
+    assert adaptive.stats()["step_cost"]["num_steps_not_fitted"] == fitted.count(0)
+    two = shape_of(StepPlan(seq_ids=[0], input_ids=[[1]], num_drafts=[2]), method)  # the price of 2 drafts
+    assert adaptive.cost.at(1).predict(two) == pytest.approx(TRUE.predict(two), rel=0.05)
+    if method == "draft_model":  # mutation: timed in, the catching-up steps move the fit off the model
+        monkeypatch.setattr(AdaptiveDraftLengths, "is_fitted", lambda self, planned: True)
+        got, adaptive = timings_with_catch_ups(method)
+        assert got == [1] * 5 and adaptive.cost.at(1).predict(two) > 1.5 * TRUE.predict(two)
