@@ -27,8 +27,10 @@ in turn, the order reversed every other batch; an engine's batches of a round ar
 ratio in a cell then compares runs of the same chats made within about a second of each other.
 Alternating whole engines (this benchmark before 12-06 11:22) let a burst of load fall on one
 configuration, and identical configurations differed by up to 17% between runs; whole passes in
-turn (until 12-07) still spread a cell's per-round ratios over 20%. Every engine spins at the CPU
-kernels' barriers (``pin_barrier_waits`` says why). A cell reports each configuration's median
+turn (until 12-07) still spread a cell's per-round ratios over 20%. Each engine runs in a process
+of its own, as a user runs it (``benchmarks/engine_process.py``; until 12-07 13:00 they shared this
+one and slowed each other), and spins at the CPU kernels' barriers (``pin_barrier_waits`` says
+why). A cell reports each configuration's median
 round, and ``per round`` the adaptive pass over the reference's in each round. ``lengths`` is the
 adaptive run's histogram of chosen draft lengths 0..ceiling over its decode rows in the median
 pass, ``off`` the steps it ran without drafting.
@@ -52,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
@@ -136,7 +139,7 @@ class PinnedOff:
 
 
 def pin_off(llm: LLM) -> None:
-    """Pin an adaptive engine's lengths to 0 (local launcher: its controller lives in this process)."""
+    """Pin an adaptive engine's lengths to 0 (local launcher: its controller lives in the engine's process)."""
     adaptive = llm._engine.core.adaptive
     adaptive.controller = PinnedOff(adaptive.controller)
 
@@ -173,18 +176,19 @@ def joined(batches: list[dict]) -> dict:
 
 def pin_barrier_waits() -> str:
     """Every engine of the run spins at the kernels' barriers unless SPECRAY_CPU_BARRIER_WAITS says
-    otherwise. This process holds several engines; an engine whose chooser sleeps parks an OpenMP
-    pool (workers/barrier_waits.py), and libgomp counts threads process-wide, so one engine's
-    choice slows the others' steps: measured 12-07 with five engines in turn, one ran its decode
-    steps at 11.3 ms where the plain engine ran 5.6, for whole passes; with spin, four of them
-    (static k = 3 left out) had medians within 0.3 and 0.5 ms in two runs. Spin removes that
-    cause, not every one: three dflash and plain engines, spinning, later gave 11.0 against
-    7.8 ms (docs/benchmarks.md, 12-07 10:36). A user's process holds one engine, which spins on
+    otherwise (the engines' processes inherit it). Why, from when the engines shared one process:
+    an engine whose chooser sleeps parks an OpenMP pool (workers/barrier_waits.py), and libgomp
+    counts threads process-wide, so one engine's choice slowed the others' steps (measured 12-07:
+    11.3 ms decode steps against plain's 5.6, for whole passes). In processes of their own, each
+    engine's chooser would still see the previous engine's threads spin down (~3 ms) at every
+    batch boundary, a competitor that recurs every second, and sleep in response: the grid would
+    time the chooser's holds, not speculation. A user's process holds one engine, which spins on
     free cores."""
     return os.environ.setdefault("SPECRAY_CPU_BARRIER_WAITS", "spin")
 
 
 def open_engine(row: Row, chats: list) -> LLM:
+    """A configuration's engine, warmed up (in its own process: ``measure``)."""
     llm = LLM(engine_config(row.spec))
     if row.is_pinned_off:
         pin_off(llm)
@@ -192,12 +196,18 @@ def open_engine(row: Row, chats: list) -> LLM:
     return llm
 
 
+def adaptive_stats_of(llm: LLM) -> dict:
+    return llm.stats().adaptive
+
+
 def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, int], list[dict]], dict[str, dict]]:
     """passes[(group, row index, c)]: one pass per round, interleaved with the group's other engines;
     and each group's adaptive engine's ``stats().adaptive`` at the end of its block (the fitted
     costs and the one-row table it planned with).
 
-    Group by group, the plain engine and every engine of the group are built once and kept; per round
+    Every engine runs in a process of its own (``EngineProcess``: as a user runs one; engines
+    sharing a process slowed each other, benchmarks/engine_process.py). Group by group, the plain
+    engine and every engine of the group are built once and kept; per round
     and c they run each batch of c chats in turn (the order reversed every other batch), and a pass
     is an engine's batches of that round: every ratio in a cell compares runs of the same chats
     made within about a second of each other, so a burst of load on this shared machine falls on
@@ -208,27 +218,27 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     passes: dict[tuple[str, int, int], list[dict]] = {}
     adaptive_stats: dict[str, dict] = {}
-    plain = open_engine(rows[0], chats)
+    plain = EngineProcess(rows[0].label, open_engine, rows[0], chats)
     try:
         for group in dict.fromkeys(r.group for r in rows[1:]):
             members = [0] + [i for i, r in enumerate(rows) if r.group == group]
             engines = {0: plain}
             try:
                 for i in members[1:]:
-                    engines[i] = open_engine(rows[i], chats)
+                    engines[i] = EngineProcess(rows[i].label, open_engine, rows[i], chats)
                 for r in range(args.rounds):
                     for c in args.concurrency:
                         batches: dict[int, list[dict]] = {i: [] for i in members}
                         for b, start in enumerate(range(0, len(chats), c)):
                             for i in (members if b % 2 == r % 2 else members[::-1]):
-                                batches[i].append(run_batch(engines[i], chats[start:start + c], params))
+                                batches[i].append(engines[i].call(run_batch, chats[start:start + c], params))
                         for i in members:
                             passes.setdefault((group, i, c), []).append(joined(batches[i]))
                     print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
                         f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
                                                       for c in args.concurrency) for i in members), flush=True)
                 adaptive = next(i for i in members if rows[i].adaptive and not rows[i].is_pinned_off)
-                adaptive_stats[group] = engines[adaptive].stats().adaptive
+                adaptive_stats[group] = engines[adaptive].call(adaptive_stats_of)
             finally:
                 for i in members[1:]:
                     if i in engines:
