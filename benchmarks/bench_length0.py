@@ -1,4 +1,4 @@
-"""Issue 27's length-0 step against a plain engine, passes interleaved in one process.
+"""Issue 27's length-0 step against a plain engine, passes interleaved, each engine in its own process.
 
     python -m benchmarks.bench_length0 [--eagle3 DIR] [--concurrency 2,4] [--rounds 8]
         [--json bench-results/length0.json]
@@ -9,7 +9,9 @@ closed batches of c), the order reversed every other round, so both see the same
 seconds; ``bench_adaptive`` measures the same cells among its grid (interleaved the same way
 since 12-06 10:05), and this runs more rounds of them in the time. The cost is
 the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
-show the spread. Same target, prompts and settings as ``bench_adaptive``.
+show the spread. Same target, prompts and settings as ``bench_adaptive``, and as there each
+engine runs in a process of its own (``benchmarks/engine_process.py``; until 12-07 13:00 they
+shared this one).
 """
 
 from __future__ import annotations
@@ -22,34 +24,32 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, engine_config, pin_off,
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, Row, configurations, open_engine,
                                        pin_barrier_waits, run_pass, write_dflash)
+from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
-from specray import LLM, SamplingParams, SpecConfig
+from specray import SamplingParams, SpecConfig
 
 
 def measure(args, chats: list, dflash: str) -> list[dict]:
     """One cell per (pinned drafter, c): the plain and pinned passes' tok/s and their ratio."""
     grid = argparse.Namespace(eagle3=args.eagle3, ks=[args.ceiling])
     pinned = [r for r in configurations(grid, dflash) if r.is_pinned_off]
-    engines = {"plain": LLM(engine_config(SpecConfig()))}
-    for row in pinned:
-        engines[row.group] = LLM(engine_config(row.spec))
-        pin_off(engines[row.group])
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    engines: dict[str, EngineProcess] = {}
     try:
-        for llm in engines.values():
-            llm.chat(chats[:1], SamplingParams(max_tokens=8))  # warm-up
+        for row in [Row(group="plain", k=0, adaptive=False, spec=SpecConfig())] + pinned:  # built and warmed up
+            engines["plain" if not row.k else row.group] = EngineProcess(row.label, open_engine, row, chats)
         tok_s = {(name, c): [] for name in engines for c in args.concurrency}
         for r in range(args.rounds):
             for c in args.concurrency:
                 for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                    tok_s[(name, c)].append(run_pass(engines[name], chats, c, params)["tok_s"])
+                    tok_s[(name, c)].append(engines[name].call(run_pass, chats, c, params)["tok_s"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
-        for llm in engines.values():
-            llm.close()
+        for engine in engines.values():
+            engine.close()
     cells = []
     for row in pinned:
         for c in args.concurrency:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=Path("bench-results/length0.json"))
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    pin_barrier_waits()  # several engines in one process: bench_adaptive.pin_barrier_waits says why
+    pin_barrier_waits()  # bench_adaptive.pin_barrier_waits says why
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-length0-") as root:
         cells = measure(args, chats, on_own_thread(write_dflash, Path(root)))
