@@ -249,9 +249,8 @@ class Scripted:
 
 
 def timings_with_catch_ups(method: str) -> tuple[list[int], AdaptiveDraftLengths]:
-    """One request at lengths 2, 2, 0, 2, 2 after its prompt; a step takes the true cost's time
-    (and its drafting time), 50x where the step is one the engine leaves out of the fit. Per
-    step, the timings the fit took."""
+    """One request at lengths 2, 2, 0, 2, 2 after its prompt; a step takes the true cost's time,
+    50x where the step is one the engine leaves out of the fit. Per step, the timings the fit took."""
     sched, adaptive = make(method=method)
     adaptive.controller = Scripted(adaptive.controller, [[2], [2], [0], [2], [2]])
     sched.add(sequence(0, 6))
@@ -263,9 +262,8 @@ def timings_with_catch_ups(method: str) -> tuple[list[int], AdaptiveDraftLengths
         tokens = [[1] * (n + 1) for n in plan.num_drafts]
         sched.finish_step(tokens, list(plan.num_drafts))
         catching_up = method != "ngram" and i in (0, 3)  # the first draft, the first after length 0
-        shape, scale = shape_of(plan, method), 50 if catching_up else 1
-        drafting = TRUE.c_draft_row * shape.num_draft_rows + TRUE.c_draft_forward * shape.num_draft_forwards
-        adaptive.observe(plan, list(plan.num_drafts), tokens, TRUE.predict(shape) * scale, drafting * scale)
+        seconds = TRUE.predict(shape_of(plan, method)) * (50 if catching_up else 1)
+        adaptive.observe(plan, list(plan.num_drafts), tokens, seconds)
         got.append(adaptive.cost.stats()["by_batch"][1]["num_step_timings"] - before)
     return got, adaptive
 

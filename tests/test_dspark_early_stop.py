@@ -97,7 +97,7 @@ class FixedCost:
     def at(self, num_decode_rows):
         return self.cost
 
-    def record(self, shape, seconds, draft_seconds=0.0):
+    def record(self, shape, seconds):
         pass
 
     def stats(self):

@@ -1,14 +1,16 @@
-"""A one-row step's verify priced per length (executor/one_row.py): the table from timings with
-literals, the model predicting from it, the batch-class fit carrying it, and the decision it
-changes: the grid's measured table chooses 3 drafts for prompt lookup at batch 1 where the line
-through the same timings chooses 5 (the mutation). Plain Python: no model, no torch."""
+"""A one-row step's drafting and verify priced per length (executor/one_row.py): the table from
+timings with literals, the model predicting from it (the drafter's line replaced as well), the
+batch-class fit carrying it, and the decisions it changes: the grid's measured table chooses 3
+drafts for prompt lookup at batch 1 where the line through the same timings chooses 5, and an
+EAGLE-3 whose drafting the line underprices stays at 0 (each with its mutation). Plain Python:
+no model, no torch."""
 
 from __future__ import annotations
 
 import pytest
 
 from specray.errors import ConfigError
-from specray.executor.draft_length import best_lengths
+from specray.executor.draft_length import best_lengths, decode_seconds, per_draft_seconds
 from specray.executor.one_row import OneRowVerify
 from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
 
@@ -60,11 +62,11 @@ def test_a_bad_table_names_the_value_and_the_rule(table):
         StepCost(one_row_verify=table)
 
 
-def test_the_batch_fit_gives_one_row_steps_the_table_of_their_target_time():
+def test_the_batch_fit_gives_one_row_steps_the_table_of_their_time():
     by_batch = StepCostByBatch(StepCost(c_step=10 * MS, c_verify_row=1 * MS), one_row=OneRowVerify(2))
     assert by_batch.at(1).one_row_verify == ()
     by_batch.record(one_row(0), 10 * MS)
-    by_batch.record(one_row(2), 16 * MS, draft_seconds=2 * MS)  # drafting is the drafter rows' price
+    by_batch.record(one_row(2), 14 * MS)
     by_batch.record(StepShape(num_decode_rows=2, num_verify_rows=2), 99 * MS)  # not a one-row step
     by_batch.record(one_row(1, prefill=8), 99 * MS)  # nor is a step with a prefill chunk
     assert by_batch.at(1).one_row_verify == pytest.approx((0.0, 2 * MS, 4 * MS))
@@ -86,3 +88,48 @@ def test_the_measured_table_chooses_what_the_line_through_it_misses():
     assert best_lengths([probs], StepCost(c_step=10.53 * MS, c_verify_row=6.92 / 5 * MS, one_row_verify=table),
                         "ngram", 5) == [3]
     assert best_lengths([probs], line, "ngram", 5) == [5]  # the mutation: the line alone
+
+
+def drafted(verify: int, forwards: int) -> StepShape:
+    """A one-row step whose drafter ran one row a draft and ``forwards`` forwards."""
+    return StepShape(num_decode_rows=1, num_verify_rows=verify, num_draft_rows=verify, num_draft_forwards=forwards)
+
+
+def test_the_table_prices_the_drafting_too_and_the_line_past_it():
+    cost = StepCost(c_step=10 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS, c_draft_row=0.2 * MS,
+                    c_draft_forward=0.6 * MS, one_row_verify=(0.0, 6 * MS, 9 * MS))
+    assert cost.predict(drafted(1, 1)) == pytest.approx(17 * MS)  # 10 + 1 + the table's 6: no drafter line on top
+    assert cost.predict(drafted(2, 1)) == pytest.approx(20 * MS)
+    assert cost.predict(drafted(3, 3)) == pytest.approx((11 + 3 * 2.8) * MS)  # past the table: the line
+    # a draft's price on the line, past the first: verify row, drafter row, and a forward where a
+    # drafter runs one a token
+    assert per_draft_seconds(cost, "eagle3") == pytest.approx(2.8 * MS)
+    assert per_draft_seconds(cost, "dflash") == pytest.approx(2.2 * MS)
+    assert per_draft_seconds(cost, "ngram") == pytest.approx(2 * MS)
+    by_batch = StepCostByBatch(cost, one_row=OneRowVerify(3, seeds={0: 11 * MS, 1: 17 * MS}),
+                               per_draft=lambda c: per_draft_seconds(c, "eagle3"))
+    assert by_batch.at(1).one_row_verify == pytest.approx((0.0, 6 * MS, 8.8 * MS, 11.6 * MS))
+
+
+def test_an_eagle3_whose_drafting_the_line_underprices_stays_at_0():
+    """The 12-07 13:32 grid at concurrency 1: a plain step of 12.9 ms, the drafter at the probe's
+    0.2 ms a row and 0.6 ms a forward, 2.8 ms a verified draft on the line; a steady k = 1 step
+    took ~1.5x a plain one (19.4 ms). At the population's p_0 (0.27) and a request's own 0.4, the
+    table's 6.5 ms declines the draft (1.4 / 19.4 < 1 / 12.9); the line's 3.6 ms takes it."""
+    line = StepCost(c_step=12.9 * MS, c_verify_row=2.8 * MS, c_draft_row=0.2 * MS, c_draft_forward=0.6 * MS)
+    by_batch = StepCostByBatch(line, one_row=OneRowVerify(5), per_draft=lambda c: per_draft_seconds(c, "eagle3"))
+    for _ in range(8):
+        by_batch.record(StepShape(num_decode_rows=1), 12.9 * MS)
+        by_batch.record(drafted(1, 1), 19.4 * MS)
+    cost = by_batch.at(1)
+    assert cost.one_row_verify[1] == pytest.approx(6.5 * MS)
+    # the plain part is the class fit's (a ridge over both kinds of step: ~13.2 ms), the rest the table's
+    assert decode_seconds(cost, [1], "eagle3") == pytest.approx(19.4 * MS, rel=0.03)
+    for p0 in (0.27, 0.4):
+        assert best_lengths([[p0] * 5], cost, "eagle3", 5) == [0]
+        # mutation: the table as it was before 12-07 14:40, the target's part only (19.4 - 12.9 -
+        # 4 ms of drafting = 2.5 ms), with the drafter's line on top (0.8 ms): both take the draft
+        old = StepCost(c_step=12.9 * MS, c_verify_row=2.8 * MS, c_draft_row=0.2 * MS, c_draft_forward=0.6 * MS,
+                       one_row_verify=(0.0, 3.3 * MS, 6.1 * MS, 8.9 * MS, 11.7 * MS, 14.5 * MS))
+        assert decode_seconds(old, [1], "eagle3") == pytest.approx(16.2 * MS)
+        assert best_lengths([[p0] * 5], old, "eagle3", 5) == [1]

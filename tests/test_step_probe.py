@@ -119,14 +119,14 @@ def test_a_batch_whose_steps_all_draft_one_length_keeps_its_plain_price():
     assert abs(wrong_plain / plain - 1) > 0.2, wrong_plain
 
 
-def test_the_probe_seeds_the_one_row_table_with_each_lengths_target_time():
+def test_the_probe_seeds_the_one_row_table_with_each_lengths_step_time():
     one = StepShape(num_decode_rows=1)
     phases = {"plain_one": PhaseTiming(one, 0.0105, 0.0),
               "verify_one_1": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=1), 0.0112, 0.0001),
               "verify_one_2": PhaseTiming(one, 0.0107, 0.0001),  # the lookup found nothing: a plain step
               "verify_one": PhaseTiming(StepShape(num_decode_rows=1, num_verify_rows=3), 0.0130, 0.0004)}
-    # each less its drafting; the phase whose lookup proposed nothing is left out
-    assert one_row_seconds(phases) == pytest.approx({0: 0.0105, 1: 0.0111, 3: 0.0126})
+    # each with its drafting (the table prices both); the phase whose lookup proposed nothing is left out
+    assert one_row_seconds(phases) == pytest.approx({0: 0.0105, 1: 0.0112, 3: 0.0130})
 
 
 def test_a_feature_no_probe_step_varies_keeps_the_fixed_prior():

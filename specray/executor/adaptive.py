@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 
 from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, draft_forwards, draft_rows,
-                                           goodput)
+                                           goodput, per_draft_seconds)
 from specray.executor.one_row import OneRowVerify
 from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
 from specray.workers.plan import StepPlan
@@ -53,8 +53,8 @@ class AdaptiveDraftLengths:
         ``verify_slopes``: seconds per verified draft by decode rows, as the probe measured them;
         ``plain_seconds``: a plain step's seconds by decode rows, the same (each batch class's
         prior, ``StepCostByBatch``);
-        ``one_row_seconds``: the target's seconds of a one-row step by verified drafts, as the
-        probe measured them (``OneRowVerify``'s seeds)."""
+        ``one_row_seconds``: a one-row step's seconds by verified drafts, as the probe measured
+        them (``OneRowVerify``'s seeds)."""
         self.method, self.ceiling, self.prior_source = method, ceiling, prior_source
         self.confidence_gated = confidence_gated
         self.verify_threshold: float | None = None  # this step's, when confidence-gated
@@ -62,7 +62,8 @@ class AdaptiveDraftLengths:
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
         # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
         self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, plain_seconds=plain_seconds, window=window,
-                                    refit_every=8, one_row=OneRowVerify(ceiling, seeds=one_row_seconds))
+                                    refit_every=8, one_row=OneRowVerify(ceiling, seeds=one_row_seconds),
+                                    per_draft=lambda cost: per_draft_seconds(cost, method))
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
         self._was_drafting: dict[int, bool] = {}  # each decoding sequence: did it draft at its last step
         self.num_steps_not_fitted = 0  # steps whose drafter caught up (``is_fitted``)
@@ -84,10 +85,8 @@ class AdaptiveDraftLengths:
             self.verify_threshold = min(1.0, rate * cost.c_verify_row)
         return lengths
 
-    def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float,
-                draft_seconds: float = 0.0) -> None:
-        """Record a step: its shape, time and drafting time, each decode row's acceptance; forget
-        finished ones."""
+    def observe(self, plan: StepPlan, num_drafts: list[int] | None, tokens: list, seconds: float) -> None:
+        """Record a step: its shape and time, each decode row's acceptance; forget finished ones."""
         for sid in plan.finished:
             self.controller.forget(sid)
             self._was_drafting.pop(sid, None)
@@ -101,7 +100,7 @@ class AdaptiveDraftLengths:
                     self.num_drafts_not_verified += max(self._planned[sid] - proposed, 0)
         shape = step_shape(self.method, plan, self._planned, num_drafts)
         if self.is_fitted(self._planned):
-            self.cost.record(shape, seconds, draft_seconds)
+            self.cost.record(shape, seconds)
         else:
             self.num_steps_not_fitted += 1
         self._was_drafting.update((sid, length > 0) for sid, length in self._planned.items())

@@ -92,6 +92,12 @@ def cost_per_draft(cost: StepCost, method: str) -> float:
     return cost.c_verify_row + cost.c_draft_row * draft_rows(method, 1)
 
 
+def per_draft_seconds(cost: StepCost, method: str) -> float:
+    """Seconds one more draft adds on the line, past the first: its verify row, its drafter row,
+    and for a one-token-per-forward drafter one more forward."""
+    return cost_per_draft(cost, method) + cost.c_draft_forward * (draft_forwards(method, 2) - draft_forwards(method, 1))
+
+
 def _check_ceiling(ceiling: int) -> None:
     if not isinstance(ceiling, int) or ceiling < 0:
         raise ConfigError(f"the draft length ceiling ({ceiling!r}) must be an integer >= 0 (num_draft_tokens)")

@@ -198,9 +198,7 @@ class EngineCore:
             num_before = [len(self._by_seq[sid].seq.output_ids) for sid in plan.seq_ids]
             self.scheduler.finish_step(tokens, self.worker.num_drafts)
             if self.adaptive is not None:
-                spec = self.worker.spec
-                self.adaptive.observe(plan, self.worker.num_drafts, tokens, seconds,
-                                      spec.draft_seconds if spec is not None else 0.0)
+                self.adaptive.observe(plan, self.worker.num_drafts, tokens, seconds)
             self._keep_logprobs(plan, num_before)
         except BaseException:
             self.is_broken = True

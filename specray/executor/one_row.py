@@ -8,16 +8,23 @@ through a plain step and a verify of 5 drafts (the lengths a drafter that does w
 prices a verify of 3 drafts at ~1.1 ms more than it costs, and prompt lookup ran 5 drafts where 3
 were 3-6% faster in tokens per second (the issue 27 grid's ngram cell at concurrency 1).
 
-So a one-row step keeps its own table: the last ``window`` times of the target's part of each
-such step (its drafting excluded: the drafter rows keep the line's price) per number of
-verified drafts, seeded by the start-up probe's batch-1 phases (one per length), each time
+So a one-row step keeps its own table: the last ``window`` times of each such step, its
+drafting included, per number of verified drafts, seeded by the start-up probe's batch-1 phases
+(one per length), each time
 forgotten after ``max_age`` one-row steps (a length no longer run would otherwise keep a price
 from another load for good: the planner then never tries it again). ``table`` is
 the median time at each L over the plain step's, non-decreasing in L (a verify does not get
 cheaper with a draft more: where noise says so, the shorter length's time stands), linear
-between the lengths seen, and past the longest seen ``c_verify_row`` per draft.
-``StepCost.one_row_verify`` carries it to the planner, which rates every length of a one-row
-step exactly (``draft_length.best_lengths``).
+between the lengths seen, and past the longest seen a draft's price on the line (its verify row
+and its drafting). ``StepCost.one_row_verify`` carries it to the planner, which rates every length
+of a one-row step exactly (``draft_length.best_lengths``).
+
+Why the drafting is in the table: at one row a drafter that proposes what it is asked (eagle3,
+dflash, a draft model) adds a verify row and a drafter row with every draft, so the batch fit
+cannot split a step's time between them, and the table replaced the verify part only. The
+drafter then kept the probe's price. In the 12-07 13:32 grid the 1-row fit priced a k = 1 step
+of the trained EAGLE-3 at 12.9 + 3.6 ms (0.81 ms of it drafting), and static k = 1 implied ~1.5x
+a plain step: adaptive drafted 127 rows at length 1 and ran at 0.93x plain.
 """
 
 from __future__ import annotations
@@ -45,9 +52,9 @@ class OneRowVerify:
             self.record(n, seconds)
 
     def record(self, num_verify_rows: int, seconds: float) -> None:
-        """One step of one decode row and no prefill: its verified drafts and its target seconds."""
+        """One step of one decode row and no prefill: its verified drafts and its seconds."""
         if not (isinstance(seconds, (int, float)) and seconds >= 0):
-            raise ConfigError(f"a one-row step's target time ({seconds!r}) must be a number of seconds >= 0")
+            raise ConfigError(f"a one-row step's time ({seconds!r}) must be a number of seconds >= 0")
         if 0 <= num_verify_rows <= self.ceiling:
             self._seconds[num_verify_rows].append((self._num_recorded, float(seconds)))
             self._num_recorded += 1
@@ -59,16 +66,17 @@ class OneRowVerify:
         oldest = self._num_recorded - self.max_age
         return [seconds for index, seconds in self._seconds[n] if index >= oldest]
 
-    def table(self, c_verify_row: float) -> tuple[float, ...]:
-        """Seconds verifying 0..ceiling drafts adds to a plain one-row step (``StepCost.one_row_verify``);
+    def table(self, per_draft: float) -> tuple[float, ...]:
+        """Seconds drafting and verifying 0..ceiling drafts adds to a plain one-row step
+        (``StepCost.one_row_verify``), ``per_draft`` seconds a draft past the longest length timed;
         empty while no plain one-row step was timed within ``max_age``. Kept until the next record
         (the planner asks at every one-row step and the stats after every loop turn)."""
-        key = (self._num_recorded, c_verify_row)
+        key = (self._num_recorded, per_draft)
         if self._table is None or self._table[0] != key:
-            self._table = (key, self._build(c_verify_row))
+            self._table = (key, self._build(per_draft))
         return self._table[1]
 
-    def _build(self, c_verify_row: float) -> tuple[float, ...]:
+    def _build(self, per_draft: float) -> tuple[float, ...]:
         fresh = [self._fresh(n) for n in range(self.ceiling + 1)]
         if not fresh[0]:
             return ()
@@ -80,7 +88,7 @@ class OneRowVerify:
                 value, last = seen[n], n
             else:
                 after = next((m for m in range(n + 1, self.ceiling + 1) if m in seen), None)
-                value = (seen[last] + c_verify_row * (n - last) if after is None
+                value = (seen[last] + per_draft * (n - last) if after is None
                          else seen[last] + (seen[after] - seen[last]) * (n - last) / (after - last))
             out.append(max(value, out[-1]) if out else 0.0)
         return tuple(out)

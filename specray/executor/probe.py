@@ -161,14 +161,14 @@ def plain_seconds(phases: dict[str, PhaseTiming]) -> dict[int, float]:
 
 
 def one_row_seconds(phases: dict[str, PhaseTiming]) -> dict[int, float]:
-    """The target's seconds of a one-row step by verified drafts (``OneRowVerify``'s seeds): the
-    plain phase's, and each batch-1 verify phase's less its drafting (a phase whose lookup
-    proposed nothing verified nothing: left out)."""
+    """A one-row step's seconds by verified drafts (``OneRowVerify``'s seeds): the plain phase's,
+    and each batch-1 verify phase's, drafting included (a phase whose lookup proposed nothing
+    verified nothing: left out)."""
     out = {0: phases["plain_one"].seconds}
     for name in sorted(n for n in phases if n.startswith("verify_one")):
         verify = phases[name]
         if verify.shape.num_verify_rows:
-            out[verify.shape.num_verify_rows] = max(verify.seconds - verify.draft_seconds, 0.0)
+            out[verify.shape.num_verify_rows] = verify.seconds
     return out
 
 
@@ -180,7 +180,7 @@ class ProbeResult:
     size: ProbeSize
     verify_slopes: dict[int, float]  # seconds per verified draft by decode rows (StepCostByBatch's priors)
     plain_seconds: dict[int, float]  # a plain step's seconds by decode rows (the same)
-    one_row_seconds: dict[int, float]  # a one-row step's target seconds by verified drafts (OneRowVerify's seeds)
+    one_row_seconds: dict[int, float]  # a one-row step's seconds by verified drafts (OneRowVerify's seeds)
 
     def describe(self) -> str:
         batches = ", ".join(map(str, self.size.batch_sizes))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from specray.errors import ConfigError
@@ -73,8 +74,9 @@ class StepCost:
     c_draft_row: float = 0.0
     c_draft_forward: float = 0.0
     one_row_verify: tuple[float, ...] = ()
-    """Seconds verifying L drafts adds to a step of one decode row and no prefill, at index L
-    (``OneRowVerify``, measured); empty, or past its end: ``c_verify_row`` per draft."""
+    """Seconds drafting and verifying L drafts adds to a step of one decode row and no prefill, at
+    index L (``OneRowVerify``, measured); empty, or past its end: the line's verify and drafter
+    rows and forwards."""
 
     def __post_init__(self) -> None:
         for name, value in zip(FEATURES, self.coefficients):
@@ -100,8 +102,10 @@ class StepCost:
         """Modelled seconds of a step of this shape."""
         seconds = sum(c * x for c, x in zip(self.coefficients, shape.features()))
         n, table = shape.num_verify_rows, self.one_row_verify
-        if shape.num_decode_rows == 1 and not shape.num_prefill_tokens and n < len(table):
-            seconds += table[n] - self.c_verify_row * n  # the measured verify in place of the line's
+        if shape.num_decode_rows == 1 and not shape.num_prefill_tokens and 0 < n < len(table):
+            # the measured drafting and verify in place of the line's
+            seconds += table[n] - self.c_verify_row * n - self.c_draft_row * shape.num_draft_rows \
+                - self.c_draft_forward * shape.num_draft_forwards
         return seconds
 
     def as_dict(self) -> dict[str, float]:
@@ -311,7 +315,10 @@ class StepCostByBatch:
 
     def __init__(self, prior: StepCost, *, verify_slopes: dict[int, float] | None = None,
                  plain_seconds: dict[int, float] | None = None, window: int = 256, refit_every: int = 1,
-                 one_row: OneRowVerify | None = None):
+                 one_row: OneRowVerify | None = None, per_draft: Callable[[StepCost], float] | None = None):
+        """``per_draft``: a draft's seconds on a cost's line (its verify row and the drafting it adds,
+        which depend on the spec method: ``draft_length.per_draft_seconds``), for the one-row table
+        past the lengths it timed; without it, ``c_verify_row``."""
         for n, slope in (verify_slopes or {}).items():
             if not (isinstance(n, int) and n >= 1 and math.isfinite(slope) and slope >= 0):
                 raise ConfigError(f"verify slope {slope!r} at {n!r} decode rows: rows must be an integer >= 1 and "
@@ -322,6 +329,7 @@ class StepCostByBatch:
         self.plain_seconds = dict(plain_seconds or {})
         self.window, self.refit_every = window, refit_every
         self.one_row = one_row
+        self.per_draft = per_draft or (lambda cost: cost.c_verify_row)
         self._fits: dict[int, OnlineStepCost] = {}
         self._last = 0  # the class of the last step planned or recorded (for stats)
 
@@ -341,13 +349,13 @@ class StepCostByBatch:
         self._last = batch_class(num_decode_rows)
         cost = self._fit(self._last).cost
         if num_decode_rows == 1 and self.one_row is not None:
-            cost = replace(cost, one_row_verify=self.one_row.table(cost.c_verify_row))
+            cost = replace(cost, one_row_verify=self.one_row.table(self.per_draft(cost)))
         return cost
 
-    def record(self, shape: StepShape, seconds: float, draft_seconds: float = 0.0) -> StepCost:
-        """A step's shape and time, and its drafting time within it (``one_row`` keeps the rest)."""
+    def record(self, shape: StepShape, seconds: float) -> StepCost:
+        """A step's shape and time (a one-row step's also in ``one_row``)."""
         if self.one_row is not None and shape.num_decode_rows == 1 and not shape.num_prefill_tokens:
-            self.one_row.record(shape.num_verify_rows, max(seconds - draft_seconds, 0.0))
+            self.one_row.record(shape.num_verify_rows, seconds)
         return self._fit(batch_class(shape.num_decode_rows)).record(shape, seconds)
 
     def stats(self) -> dict:
@@ -356,6 +364,6 @@ class StepCostByBatch:
         out = {**self._fit(self._last).stats(), "batch": 2 ** self._last, "by_batch": by_batch}
         if self.one_row is not None:
             one = self._fit(batch_class(1)).cost
-            out["one_row_verify_s"] = list(self.one_row.table(one.c_verify_row))
+            out["one_row_verify_s"] = list(self.one_row.table(self.per_draft(one)))
             out["one_row_timed"] = self.one_row.stats()["num_timed"]  # fresh times per length
         return out
