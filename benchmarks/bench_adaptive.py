@@ -28,7 +28,7 @@ ratio in a cell then compares runs of the same chats made within about a second 
 Alternating whole engines (this benchmark before 12-06 11:22) let a burst of load fall on one
 configuration, and identical configurations differed by up to 17% between runs; whole passes in
 turn (until 12-07) still spread a cell's per-round ratios over 20%. Each engine runs in a process
-of its own, as a user runs it (``benchmarks/engine_process.py``; until 12-07 13:00 they shared this
+of its own, as a user runs it (``benchmarks/engine_process.py``; until 12-07 13:32 they shared this
 one and slowed each other), and spins at the CPU kernels' barriers (``pin_barrier_waits`` says
 why). A cell reports each configuration's median
 round, and ``per round`` the adaptive pass over the reference's in each round. ``lengths`` is the

@@ -10,7 +10,7 @@ seconds; ``bench_adaptive`` measures the same cells among its grid (interleaved 
 since 12-06 10:05), and this runs more rounds of them in the time. The cost is
 the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
 show the spread. Same target, prompts and settings as ``bench_adaptive``, and as there each
-engine runs in a process of its own (``benchmarks/engine_process.py``; until 12-07 13:00 they
+engine runs in a process of its own (``benchmarks/engine_process.py``; until 12-07 13:32 they
 shared this one).
 """
 

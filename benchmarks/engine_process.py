@@ -54,7 +54,11 @@ class EngineProcess:
         self._proc = ctx.Process(target=_serve, args=(child, make_engine, args), name=f"engine {name}", daemon=True)
         self._proc.start()
         child.close()
-        self._receive(READY_TIMEOUT_S, "start")
+        try:
+            self._receive(READY_TIMEOUT_S, "start")
+        except BaseException:  # the child failed to build its engine, died or hung: leave nothing behind
+            self.close()
+            raise
 
     def _receive(self, timeout_s: float, what: str) -> Any:
         if not self._conn.poll(timeout_s):

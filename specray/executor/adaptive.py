@@ -113,7 +113,8 @@ class AdaptiveDraftLengths:
         no feature for and the decision does not choose by. Timed in, it is charged to the
         drafts: measured 12-07 (dflash, every draft accepted, 4 requests), two such steps of
         557 and 336 ms (three prompts prefilled beside them) raised a verified draft from 3.9 to
-        7.2 ms, and the batch ran at length 0 from its fourth step to its end. Prompt lookup runs no model and has nothing to catch up."""
+        7.2 ms, and the batch ran at length 0 from its fourth step on. Prompt lookup runs no
+        model and has nothing to catch up."""
         if not draft_rows(self.method, 1):
             return True
         return all(self._was_drafting.get(sid, False) for sid, length in planned.items() if length)

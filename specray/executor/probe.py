@@ -13,7 +13,8 @@ each phase one warm-up step then R timed ones:
 - plain 1, verify 1: one sequence at draft length 0, then at every length 1..k (a one-row
   step's verify is priced per length, ``executor/one_row.py``; the fit takes length k's);
 - plain S, verify S, for S = S_1 then S_2: S sequences at draft length 0, then k.
-S_1 is 4 and S_2 the largest batch up to 16 the engine allows (``MAX_PROBE_BATCH``): each batch
+S_1 is 4 and S_2 the largest batch up to 16 the engine allows (``MAX_PROBE_BATCH``; one batch
+where that is 4 or less, halved until the pools and positions hold it): each batch
 class's prior takes its plain line and its price of a verified draft from the batches around it
 (``StepCostByBatch``), and a class whose steps all draft one length never corrects the split
 between the two itself. Measured batches stop at 16 (the issue's largest concurrency); beyond,
