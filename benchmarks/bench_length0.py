@@ -24,22 +24,23 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, Row, configurations, open_engine,
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, open_engine,
                                        pin_barrier_waits, run_pass, write_dflash)
 from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
-from specray import SamplingParams, SpecConfig
+from specray import SamplingParams
 
 
 def measure(args, chats: list, dflash: str) -> list[dict]:
     """One cell per (pinned drafter, c): the plain and pinned passes' tok/s and their ratio."""
     grid = argparse.Namespace(eagle3=args.eagle3, ks=[args.ceiling])
-    pinned = [r for r in configurations(grid, dflash) if r.is_pinned_off]
+    rows = configurations(grid, dflash)
+    pinned = [r for r in rows if r.is_pinned_off]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     engines: dict[str, EngineProcess] = {}
     try:
-        for row in [Row(group="plain", k=0, adaptive=False, spec=SpecConfig())] + pinned:  # built and warmed up
+        for row in [rows[0]] + pinned:  # the plain row first; built and warmed up
             engines["plain" if not row.k else row.group] = EngineProcess(row.label, open_engine, row, chats)
         tok_s = {(name, c): [] for name in engines for c in args.concurrency}
         for r in range(args.rounds):

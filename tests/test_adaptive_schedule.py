@@ -278,7 +278,7 @@ def test_a_step_whose_drafter_catches_up_is_left_out_of_the_fit(method, fitted, 
     assert got == fitted
     assert adaptive.stats()["step_cost"]["num_steps_not_fitted"] == fitted.count(0)
     two = shape_of(StepPlan(seq_ids=[0], input_ids=[[1]], num_drafts=[2]), method)  # the price of 2 drafts
-    assert adaptive.cost.at(1).predict(two) == pytest.approx(TRUE.predict(two), rel=0.05)
+    assert adaptive.cost.at(1).predict(two) == pytest.approx(TRUE.predict(two), rel=1e-6)  # fitted on TRUE's times
     if method == "draft_model":  # mutation: timed in, the catching-up steps move the fit off the model
         monkeypatch.setattr(AdaptiveDraftLengths, "is_fitted", lambda self, planned: True)
         got, adaptive = timings_with_catch_ups(method)

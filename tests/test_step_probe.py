@@ -15,8 +15,8 @@ import pytest
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
 from specray.executor.draft_length import decode_seconds
-from specray.executor.probe import (PhaseTiming, fit_probe, one_row_seconds, phase_timing, plain_seconds,
-                                   probe_samples, verify_slopes)
+from specray.executor.probe import (PhaseTiming, ProbeSize, fit_probe, one_row_seconds, phase_timing,
+                                   plain_seconds, probe_samples, verify_slopes)
 from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape, probe_shapes
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
@@ -112,6 +112,9 @@ def test_a_batch_whose_steps_all_draft_one_length_keeps_its_plain_price():
         cost = costs.at(16)
         return cost.predict(StepShape(num_decode_rows=16)), decode_seconds(cost, [1] * 16, "dflash")
 
+    # 5%: the class prior's plain line and verify slope are the truth's at 16, but its drafter
+    # terms come from the probe's one fit over every batch (a line through a piecewise truth),
+    # and the window's small error reaches the plain price through the ridge (95.5% of it here)
     assert priced(phases, plain_seconds=plain_seconds(phases)) == pytest.approx((plain, one_each), rel=0.05)
     # mutation: the probe stops at batch 4 (the plain line from batches 1 and 4)
     upto4 = {name: phase for name, phase in phases.items() if not name.endswith("_16")}
@@ -136,6 +139,12 @@ def test_a_feature_no_probe_step_varies_keeps_the_fixed_prior():
     assert fitted.c_draft_forward == pytest.approx(PRIOR_COST.c_draft_forward)
     # the rest as timed, but for the pull towards the prior (1e-6 steps)
     assert fitted.coefficients[:5] == pytest.approx(ngram.coefficients[:5], rel=1e-4), fitted
+
+
+@pytest.mark.parametrize("sizes", [(), (1, 4), (16, 4), (4, 4)])
+def test_probe_batch_sizes_must_increase_from_2(sizes):
+    with pytest.raises(ValueError, match=r"batch_sizes .* must be one or more increasing batch sizes >= 2"):
+        ProbeSize(batch_sizes=sizes, prompt_tokens=32, period=8)
 
 
 def test_a_phase_is_the_median_of_its_most_common_shape():
