@@ -151,6 +151,19 @@ def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatc
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_a_capture_layer_past_the_model_is_refused(model, kernels, monkeypatch):
+    # the one fused call copies a capture out as it passes its layer: one it never passes would
+    # leave its rows unwritten, so it is refused before the call, naming the layers there are
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
+    arch, block_size = model.arch, 32
+    pools = [torch.zeros(2, 2, model.num_local_kv_heads, block_size, arch.head_dim) for _ in range(arch.num_layers)]
+    positions, meta = build_metadata([[1]], block_size, [3], [1], torch.device("cpu"))
+    ids = torch.zeros(1, dtype=torch.int64)
+    rule = rf"must be among the model's layers 0\.\.{arch.num_layers - 1}"
+    with torch.inference_mode(), pytest.raises(ValueError, match=rule):
+        model(ids, positions, pools, meta, capture_layers=(0, arch.num_layers))
+
+
 def test_a_partial_rotary_takes_the_torch_path(kernels, monkeypatch):
     # the fused kernel rotates whole heads from RoPE tables of head_dim columns: a model rotating
     # part of each head must not reach it (it would read rows of the wrong width)

@@ -58,6 +58,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _check(rc: int, what: str) -> None:
     if rc == -1:
         raise MemoryError(f"{what}: could not allocate its scratch")
+    if rc == -3:
+        raise ValueError(f"{what}: a capture layer is not among the layers run, or not in increasing order")
     if rc:
         raise ValueError(f"{what}: more rows than small_gemm's limit")
 
@@ -90,9 +92,18 @@ class FusedLayerKernels:
         return out
 
     def dense_layers(self, table, shape, step, eps: float, scale: float, x: torch.Tensor,
-                     scratch: torch.Tensor) -> None:
-        _check(self._layers(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
-                            x.data_ptr(), scratch.data_ptr()), "dense layers")
+                     scratch: torch.Tensor, capture_at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every layer of ``table`` on x in place; with ``capture_at`` (int64 layer indices,
+        increasing), returns [len(capture_at), *x.shape]: the residual stream after each."""
+        if capture_at is None or not len(capture_at):
+            _check(self._layers(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
+                                x.data_ptr(), scratch.data_ptr()), "dense layers")
+            return None
+        captured = torch.empty(len(capture_at), *x.shape)
+        _check(self._layers_capture(table.shape[0], table.data_ptr(), shape.data_ptr(), step.data_ptr(), eps, scale,
+                                    x.data_ptr(), scratch.data_ptr(), len(capture_at), capture_at.data_ptr(),
+                                    captured.data_ptr()), "dense layers")
+        return captured
 
 
 class CpuKernels(FusedLayerKernels):
@@ -146,6 +157,9 @@ class CpuKernels(FusedLayerKernels):
         self._layers = lib.specray_dense_layers
         self._layers.argtypes = [i64] + [ptr] * 3 + [f32, f32] + [ptr] * 2
         self._layers.restype = ctypes.c_int
+        self._layers_capture = lib.specray_dense_layers_capture
+        self._layers_capture.argtypes = [i64] + [ptr] * 3 + [f32, f32] + [ptr] * 2 + [i64] + [ptr] * 2
+        self._layers_capture.restype = ctypes.c_int
         self.max_rows = lib.specray_small_gemm_max_rows()
         self.max_head_dim = lib.specray_max_head_dim()  # paged_attention's limit
         self.quant = QuantGemv(lib)  # the GGUF block-quantized GEMV (quant_kernels.py)

@@ -211,14 +211,14 @@ def fused_layers(model, kernels: CpuKernels, x: torch.Tensor, positions: torch.T
     eps, scale = arch.rms_norm_eps, attn.scale
     group = attn.o_proj.group
     captured: dict[int, torch.Tensor] = {}
-    if group.size == 1:  # one C call per run of layers between captures (one in all without any)
-        scratch = torch.empty(2, *x.shape)
-        start = 0
-        for stop in sorted(set(capture_layers) | {arch.num_layers - 1}):
-            kernels.dense_layers(table[start:stop + 1], shape, step, eps, scale, x, scratch)
-            if stop in capture_layers:
-                captured[stop] = x.clone()
-            start = stop + 1
+    if group.size == 1:  # one C call, which copies the captures out as it passes them
+        stops = sorted(set(capture_layers))
+        if stops and not 0 <= stops[0] <= stops[-1] < arch.num_layers:
+            raise ValueError(f"capture_layers {capture_layers} must be among the model's layers "
+                             f"0..{arch.num_layers - 1}")
+        out = kernels.dense_layers(table, shape, step, eps, scale, x, torch.empty(2, *x.shape),
+                                   torch.tensor(stops, dtype=torch.int64) if stops else None)
+        captured.update(zip(stops, out if stops else ()))
         return x, [captured[i] for i in capture_layers]
     delta = None
     for i in range(arch.num_layers):
