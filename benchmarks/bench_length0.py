@@ -4,10 +4,12 @@
         [--json bench-results/length0.json]
 
 Only the plain engine and each drafter's adaptive engine pinned at length 0
-(``bench_adaptive.PinnedOff``) are built, once, and run one pass each in turn (the chats in
-closed batches of c), the order reversed every other round, so both see the same load within
-seconds; ``bench_adaptive`` measures the same cells among its grid (interleaved the same way
-since 12-06 10:05), and this runs more rounds of them in the time. The cost is
+(``bench_adaptive.PinnedOff``) are built, once; per round and c each runs every batch of c chats
+in turn, the order reversed every other batch (``bench_adaptive.measure``'s interleaving), so all
+see the same load within about a second; an engine's batches of a round are its pass.
+``bench_adaptive`` measures the same cells among its grid, and this runs more rounds of them in
+the time. Until 12-07 17:00 the engines took whole passes in turn (~10 s each): per-round ratios
+spread 0.80-1.21 in that last run, more than the target's 2%. The cost is
 the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
 show the spread. Same target, prompts and settings as ``bench_adaptive``, and as there each
 engine runs in a process of its own (``benchmarks/engine_process.py``; until 12-07 13:32 they
@@ -24,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, open_engine,
-                                       pin_barrier_waits, run_pass, write_dflash)
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, joined,
+                                       open_engine, pin_barrier_waits, run_batch, write_dflash)
 from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
@@ -36,17 +38,22 @@ def measure(args, chats: list, dflash: str) -> list[dict]:
     """One cell per (pinned drafter, c): the plain and pinned passes' tok/s and their ratio."""
     grid = argparse.Namespace(eagle3=args.eagle3, ks=[args.ceiling])
     rows = configurations(grid, dflash)
-    pinned = [r for r in rows if r.is_pinned_off]
+    pinned = [r for r in rows if r.is_pinned_off and r.group in (args.drafters or PINNED_GROUPS)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     engines: dict[str, EngineProcess] = {}
     try:
         for row in [rows[0]] + pinned:  # the plain row first; built and warmed up
             engines["plain" if not row.k else row.group] = EngineProcess(row.label, open_engine, row, chats)
-        tok_s = {(name, c): [] for name in engines for c in args.concurrency}
+        names = list(engines)
+        tok_s = {(name, c): [] for name in names for c in args.concurrency}
         for r in range(args.rounds):
-            for c in args.concurrency:
-                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                    tok_s[(name, c)].append(engines[name].call(run_pass, chats, c, params)["tok_s"])
+            for c in args.concurrency:  # batch by batch, as bench_adaptive.measure
+                batches: dict[str, list[dict]] = {name: [] for name in names}
+                for b, start in enumerate(range(0, len(chats), c)):
+                    for name in (names if b % 2 == r % 2 else names[::-1]):
+                        batches[name].append(engines[name].call(run_batch, chats[start:start + c], params))
+                for name in names:
+                    tok_s[(name, c)].append(joined(batches[name])["tok_s"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
         for engine in engines.values():
@@ -66,19 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle3", type=Path, default=None, help="a drafter trained by specray train-drafter")
     ap.add_argument("--ceiling", type=int, default=5, help="the pinned engines' num_draft_tokens")
     ap.add_argument("--concurrency", default="2,4")
+    ap.add_argument("--drafters", default="", help=f"only these of {','.join(PINNED_GROUPS)} (default: all)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--json", type=Path, default=Path("bench-results/length0.json"))
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.drafters = [d for d in args.drafters.split(",") if d]
+    if set(args.drafters) - set(PINNED_GROUPS):
+        raise SystemExit(f"--drafters: {sorted(set(args.drafters) - set(PINNED_GROUPS))} not among {PINNED_GROUPS}")
     pin_barrier_waits()  # bench_adaptive.pin_barrier_waits says why
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-length0-") as root:
         cells = measure(args, chats, on_own_thread(write_dflash, Path(root)))
     print(f"\n{MODEL}, HumanEval 0..{args.num_prompts - 1}, {args.output_len} new tokens, {args.rounds} rounds, "
           f"passes interleaved, {torch.get_num_threads()} threads; tok/s medians; cost = plain / at length 0 "
-          f"(target <= {TARGET_LENGTH0}); drafters: {', '.join(g for g in PINNED_GROUPS)} (eagle3 with --eagle3)\n")
+          f"(target <= {TARGET_LENGTH0}); drafters: {', '.join(r['drafter'] for r in cells[::len(args.concurrency)])}\n")
     print("drafter | c | plain | at length 0 | cost | per-round ratios | met\n---|---|---|---|---|---|---")
     for x in cells:
         print(f"{x['drafter']} | {x['c']} | {statistics.median(x['plain']):.1f} | {statistics.median(x['length0']):.1f}"
