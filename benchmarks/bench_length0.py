@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     chats = humaneval_chats(args.num_prompts)
     with tempfile.TemporaryDirectory(prefix="specray-bench-length0-") as root:
         cells = measure(args, chats, on_own_thread(write_dflash, Path(root)))
+    drafters = ", ".join(dict.fromkeys(x["drafter"] for x in cells))
     print(f"\n{MODEL}, HumanEval 0..{args.num_prompts - 1}, {args.output_len} new tokens, {args.rounds} rounds, "
-          f"passes interleaved, {torch.get_num_threads()} threads; tok/s medians; cost = plain / at length 0 "
-          f"(target <= {TARGET_LENGTH0}); drafters: {', '.join(r['drafter'] for r in cells[::len(args.concurrency)])}\n")
+          f"batches interleaved, {torch.get_num_threads()} threads; tok/s medians; cost = plain / at length 0 "
+          f"(target <= {TARGET_LENGTH0}); drafters: {drafters}\n")
     print("drafter | c | plain | at length 0 | cost | per-round ratios | met\n---|---|---|---|---|---|---")
     for x in cells:
         print(f"{x['drafter']} | {x['c']} | {statistics.median(x['plain']):.1f} | {statistics.median(x['length0']):.1f}"

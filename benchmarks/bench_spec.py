@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import drafter_bytes
+from benchmarks.spec_report import StepTimer, format_table
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor import spec_metrics
 from specray.models.presets import materialize
@@ -70,30 +71,6 @@ COLUMNS = [("tp", "tp", "d"), ("method", "method", "s"), ("k", "k", "s"), ("forc
 def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
-
-
-class StepTimer:
-    """Wraps one rank's SpecRunner._draft and ._score to time them (benchmark only)."""
-
-    def __init__(self, runner):
-        self.draft_s, self.verify_s, self.num_steps = 0.0, 0.0, 0
-        # bound from the class, so a new timer replaces the last one instead of wrapping it
-        draft, score = type(runner)._draft.__get__(runner), type(runner)._score.__get__(runner)
-
-        def timed_draft(plan):
-            start = time.perf_counter()
-            out = draft(plan)
-            self.draft_s += time.perf_counter() - start
-            return out
-
-        def timed_score(*args):
-            start = time.perf_counter()
-            out = score(*args)
-            self.verify_s += time.perf_counter() - start
-            self.num_steps += 1
-            return out
-
-        runner._draft, runner._score = timed_draft, timed_score
 
 
 def run_specray(spec: SpecConfig | None, batch: int, tp: int, args) -> dict:
@@ -193,18 +170,6 @@ def grid(args) -> list[tuple[str, int, float | None, int]]:
     return [(m, k, f, b) for m in DRAFTERS for k in ks for f in forces if f is None or f <= k + 1 for b in batches]
 
 
-def format_table(rows: list[dict], columns=COLUMNS) -> str:
-    head = " | ".join(h for _, h, _ in columns)
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            v = r.get(key)
-            cells.append("-" if v is None else format(v, fmt) if fmt != "s" else str(v))
-        lines.append(" | ".join(cells))
-    return "\n".join(lines)
-
-
 def plot(rows: list[dict], plain: dict[int, dict], path: Path) -> None:
     import matplotlib
 
@@ -267,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = SpecConfig(method=method, draft_model=DRAFTERS[method], num_draft_tokens=k,
                               force_accepted_tokens=force)
             rows.append(measure_row(spec, batch, tp, plains[tp, batch], args))
-            print(format_table([rows[-1]]).splitlines()[-1], flush=True)
+            print(format_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
     gbps_after = drafter_bytes.measure_gbps()
     if gbps_after > args.gbps:  # the faster reading: the more demanding ideal
         args.gbps = gbps_after
@@ -279,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
           f"output {args.output_len}, greedy\n")
     print("plain: " + ", ".join(f"tp {tp} batch {b}: {p['tok_s']:.1f} tok/s ({p['step_ms']:.1f} ms/step)"
                                 for (tp, b), p in plains.items()))
-    print(format_table(rows))
+    print(format_table(rows, COLUMNS))
     print(f"GEMV bandwidth for ideal B: {gbps_before:.1f} GB/s before the grid, {gbps_after:.1f} after; "
           f"the faster ({args.gbps:.1f}) counts")
     ours, theirs = duel["specray"], duel["hf_assisted"]

@@ -13,7 +13,7 @@ Rows: plain; ngram (4- down to 1-gram lookup), each trained drafter given, at k 
 - ``equal`` = the share of prefixes whose output equals plain decoding's token for token (100%);
 - ``tok/s`` = tokens / wall time over all prefixes, prefill included; ``speedup`` = over plain's;
 - ``draft ms`` / ``verify ms`` = mean wall time per speculative step of the drafting and of the
-  target's verify forward (bench_spec.StepTimer on rank 0's runner, in this process at TP = 1).
+  target's verify forward (spec_report.StepTimer on rank 0's runner, in this process at TP = 1).
 
 Greedy decoding makes AL the same in every round; the rounds alternate over the rows so that a
 burst of load from other processes falls on all of them, and each row's fastest round counts.
@@ -33,7 +33,7 @@ import platform
 import time
 from pathlib import Path
 
-from benchmarks.bench_spec import StepTimer
+from benchmarks.spec_report import StepTimer
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
 from specray.bench import format_table
 from specray.same_text import compare, environment, format_comparison, load_prefixes, summarize, to_json

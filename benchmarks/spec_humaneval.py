@@ -25,7 +25,7 @@ TPOT (the decode phase only; medians over requests), and the ideal it is held ag
 
 t_plain_step is plain decoding's median TPOT; t_draft and t_verify are the mean wall times of
 the drafting and of the target's verify forward per speculative step, timed by wrapping rank
-0's SpecRunner methods (bench_spec.StepTimer; this benchmark runs at TP=1, in this process).
+0's SpecRunner methods (spec_report.StepTimer; this benchmark runs at TP=1, in this process).
 ``efficiency`` = decode x / ideal: what the step loop loses on top of its two forwards.
 Targets, printed with the result: ngram >= 1.5x plain at batch 1; efficiency >= 0.9.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_spec import StepTimer, format_table
+from benchmarks.spec_report import StepTimer, format_table
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
 from specray import LLM, EngineConfig, KVConfig, SamplingParams, SpecConfig
