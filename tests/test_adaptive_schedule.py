@@ -16,7 +16,8 @@ import pytest
 
 from specray.config import SamplingParams
 from specray.executor.adaptive import AdaptiveDraftLengths, step_shape
-from specray.executor.draft_length import DraftLengthPolicy, draft_forwards
+from specray.executor.draft_controller import DraftLengthPolicy
+from specray.executor.draft_length import draft_forwards
 from specray.executor.scheduler import Scheduler, Sequence
 from specray.executor.step_cost import StepCost, StepShape
 from specray.kv.allocator import BlockAllocator, blocks_needed

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, Evidence, RequestAcceptance,
-                                           best_lengths, cost_per_draft, decode_seconds, draft_forwards,
-                                           expected_tokens, goodput)
+from specray.executor.draft_controller import DraftLengthController, DraftLengthPolicy, Evidence, RequestAcceptance
+from specray.executor.draft_length import (best_lengths, cost_per_draft, decode_seconds, draft_forwards, expected_tokens,
+                                           goodput)
 from specray.executor.step_cost import OnlineStepCost, StepCost, StepShape, fit_step_cost
 
 CPU = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.003)  # about the 34 ms / 8 rows

@@ -12,7 +12,8 @@ import pytest
 from specray.errors import ConfigError
 from specray.executor.draft_length import best_lengths, decode_seconds, per_draft_seconds
 from specray.executor.one_row import OneRowVerify
-from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
+from specray.executor.step_cost import StepCost, StepShape
+from specray.executor.step_cost_by_batch import StepCostByBatch
 
 MS = 1e-3
 

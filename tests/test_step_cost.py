@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from specray.executor.step_cost import (FEATURES, OnlineStepCost, StepCost, StepCostByBatch, StepShape,
-                                        batch_class, fit_step_cost, interpolate_slope,
-                                        plain_line, probe_shapes)
+from specray.executor.step_cost import FEATURES, OnlineStepCost, StepCost, StepShape, fit_step_cost, probe_shapes
+from specray.executor.step_cost_by_batch import StepCostByBatch, batch_class, interpolate_slope, plain_line
 
 # seconds per unit, chosen distinct so that a swapped coefficient shows
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,

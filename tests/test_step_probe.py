@@ -15,9 +15,11 @@ import pytest
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams, SpecConfig
 from specray.executor.adaptive import PRIOR_COST
 from specray.executor.draft_length import decode_seconds
-from specray.executor.probe import (PhaseTiming, ProbeSize, fit_probe, one_row_seconds, phase_timing,
-                                   plain_seconds, probe_samples, verify_slopes)
-from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape, probe_shapes
+from specray.executor.probe import ProbeSize
+from specray.executor.probe_fit import (PhaseTiming, fit_probe, one_row_seconds, phase_timing, plain_seconds,
+                                       probe_samples, verify_slopes)
+from specray.executor.step_cost import StepCost, StepShape, probe_shapes
+from specray.executor.step_cost_by_batch import StepCostByBatch
 
 # seconds per unit, distinct so that a swapped coefficient shows (as test_step_cost.py's)
 TRUE = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.0025, c_prefill_token=0.0004,

@@ -14,7 +14,7 @@ The prior (the fit's starting point, counted as ``prior_weight`` steps) is the s
 fit (``executor/probe.py``: every rank timed on a short fixed schedule of steps before the
 first request); ``PRIOR_COST``, a rough CPU figure, stands in only when the probe is off
 (``SpecConfig.adaptive_probe=False``) or cannot run. A request's acceptance starts from the
-engine-wide estimate of the requests before it (``draft_length.py``).
+engine-wide estimate of the requests before it (``draft_controller.py``).
 
 With a confidence head (dspark, ``confidence_gated``) the lengths chosen are what each row drafts,
 and the head decides, draft by draft, what is verified: ``verify_threshold`` = λ c_verify_row,
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 
-from specray.executor.draft_length import (DraftLengthController, DraftLengthPolicy, draft_forwards, draft_rows,
-                                           goodput, per_draft_seconds)
+from specray.executor.draft_controller import DraftLengthController, DraftLengthPolicy
+from specray.executor.draft_length import draft_forwards, draft_rows, goodput, per_draft_seconds
 from specray.executor.one_row import OneRowVerify
-from specray.executor.step_cost import StepCost, StepCostByBatch, StepShape
+from specray.executor.step_cost import StepCost, StepShape
+from specray.executor.step_cost_by_batch import StepCostByBatch
 from specray.workers.plan import StepPlan
 
 log = logging.getLogger(__name__)
