@@ -5,10 +5,14 @@
 
 Only the plain engine and each drafter's adaptive engine pinned at length 0
 (``bench_adaptive.PinnedOff``) are built, once; per round and c each runs every batch of c chats
-in turn, the order reversed every other batch (``bench_adaptive.measure``'s interleaving), so all
-see the same load within about a second; an engine's batches of a round are its pass.
+in turn, so all see the same load within about a second; an engine's batches of a round are its
+pass. The order rotates by one engine every batch, so each engine takes every place in turn and
+none runs two batches back to back. Reversing it every other batch (as ``bench_adaptive.measure``
+does) put the engines at its ends (plain, and the last pinned one) twice in a row at every other
+boundary and the middle ones never: in the 12-07 18:34 run every pinned engine but the last
+cost 2-6% (ngram too, whose length-0 step does no extra work), suspected to be that.
 ``bench_adaptive`` measures the same cells among its grid, and this runs more rounds of them in
-the time. Until 12-07 17:00 the engines took whole passes in turn (~10 s each): per-round ratios
+the time. Until 12-07 17:05 the engines took whole passes in turn (~10 s each): per-round ratios
 spread 0.80-1.21 in that last run, more than the target's 2%. The cost is
 the plain engine's median tok/s over the pinned engine's (target <= 1.02); the per-round ratios
 show the spread. Same target, prompts and settings as ``bench_adaptive``, and as there each
@@ -47,10 +51,11 @@ def measure(args, chats: list, dflash: str) -> list[dict]:
         names = list(engines)
         tok_s = {(name, c): [] for name in names for c in args.concurrency}
         for r in range(args.rounds):
-            for c in args.concurrency:  # batch by batch, as bench_adaptive.measure
+            for c in args.concurrency:  # batch by batch, the order rotated (the module docstring)
                 batches: dict[str, list[dict]] = {name: [] for name in names}
                 for b, start in enumerate(range(0, len(chats), c)):
-                    for name in (names if b % 2 == r % 2 else names[::-1]):
+                    turn = (b + r) % len(names)
+                    for name in names[turn:] + names[:turn]:
                         batches[name].append(engines[name].call(run_batch, chats[start:start + c], params))
                 for name in names:
                     tok_s[(name, c)].append(joined(batches[name])["tok_s"])
