@@ -23,8 +23,11 @@ length 0 gets none): that would measure the cache, not speculation.
 
 Runs are interleaved batch by batch (``measure``): drafter by drafter, the plain engine and each of
 the group's engines are built once and kept, and per round and c each runs every batch of c chats
-in turn, the order reversed every other batch; an engine's batches of a round are its pass. Every
-ratio in a cell then compares runs of the same chats made within about a second of each other.
+in turn, the order rotated by one engine every batch (since 12-07 19:00; reversed every other
+batch before, which ran the engines at its ends, plain and the pinned one, two batches back to
+back at every other boundary and the adaptive engine never); an engine's batches of a round are
+its pass. Every ratio in a cell then compares runs of the same chats made within about a second
+of each other.
 Alternating whole engines (this benchmark before 12-06 11:22) let a burst of load fall on one
 configuration, and identical configurations differed by up to 17% between runs; whole passes in
 turn (until 12-07) still spread a cell's per-round ratios over 20%. Each engine runs in a process
@@ -208,7 +211,8 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
     Every engine runs in a process of its own (``EngineProcess``: as a user runs one; engines
     sharing a process slowed each other, benchmarks/engine_process.py). Group by group, the plain
     engine and every engine of the group are built once and kept; per round
-    and c they run each batch of c chats in turn (the order reversed every other batch), and a pass
+    and c they run each batch of c chats in turn (the order rotated by one every batch, so each
+    takes every place and none runs two batches back to back: bench_length0's docstring), and a pass
     is an engine's batches of that round: every ratio in a cell compares runs of the same chats
     made within about a second of each other, so a burst of load on this shared machine falls on
     every configuration alike (whole passes in turn, ~10 s each, let one fall on a single
@@ -230,7 +234,8 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
                     for c in args.concurrency:
                         batches: dict[int, list[dict]] = {i: [] for i in members}
                         for b, start in enumerate(range(0, len(chats), c)):
-                            for i in (members if b % 2 == r % 2 else members[::-1]):
+                            turn = (b + r) % len(members)
+                            for i in members[turn:] + members[:turn]:
                                 batches[i].append(engines[i].call(run_batch, chats[start:start + c], params))
                         for i in members:
                             passes.setdefault((group, i, c), []).append(joined(batches[i]))
