@@ -203,6 +203,19 @@ def adaptive_stats_of(llm: LLM) -> dict:
     return llm.stats().adaptive
 
 
+def interleaved_passes(engines: dict, chats: list, c: int, round_index: int, params: SamplingParams) -> dict:
+    """One pass per engine over the chats in closed batches of c, run batch by batch in turn, the
+    order rotated by one engine every batch (and every round): each engine takes every place and
+    none runs two batches back to back (the module docstring says why)."""
+    keys = list(engines)
+    batches: dict = {key: [] for key in keys}
+    for b, start in enumerate(range(0, len(chats), c)):
+        turn = (b + round_index) % len(keys)
+        for key in keys[turn:] + keys[:turn]:
+            batches[key].append(engines[key].call(run_batch, chats[start:start + c], params))
+    return {key: joined(batches[key]) for key in keys}
+
+
 def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, int], list[dict]], dict[str, dict]]:
     """passes[(group, row index, c)]: one pass per round, interleaved with the group's other engines;
     and each group's adaptive engine's ``stats().adaptive`` at the end of its block (the fitted
@@ -232,13 +245,8 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
                     engines[i] = EngineProcess(rows[i].label, open_engine, rows[i], chats)
                 for r in range(args.rounds):
                     for c in args.concurrency:
-                        batches: dict[int, list[dict]] = {i: [] for i in members}
-                        for b, start in enumerate(range(0, len(chats), c)):
-                            turn = (b + r) % len(members)
-                            for i in members[turn:] + members[:turn]:
-                                batches[i].append(engines[i].call(run_batch, chats[start:start + c], params))
-                        for i in members:
-                            passes.setdefault((group, i, c), []).append(joined(batches[i]))
+                        for i, one in interleaved_passes(engines, chats, c, r, params).items():
+                            passes.setdefault((group, i, c), []).append(one)
                     print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
                         f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
                                                       for c in args.concurrency) for i in members), flush=True)

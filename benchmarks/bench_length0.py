@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations, joined,
-                                       open_engine, pin_barrier_waits, run_batch, write_dflash)
+from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations,
+                                       interleaved_passes, open_engine, pin_barrier_waits, write_dflash)
 from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
@@ -48,17 +48,11 @@ def measure(args, chats: list, dflash: str) -> list[dict]:
     try:
         for row in [rows[0]] + pinned:  # the plain row first; built and warmed up
             engines["plain" if not row.k else row.group] = EngineProcess(row.label, open_engine, row, chats)
-        names = list(engines)
-        tok_s = {(name, c): [] for name in names for c in args.concurrency}
+        tok_s = {(name, c): [] for name in engines for c in args.concurrency}
         for r in range(args.rounds):
             for c in args.concurrency:  # batch by batch, the order rotated (the module docstring)
-                batches: dict[str, list[dict]] = {name: [] for name in names}
-                for b, start in enumerate(range(0, len(chats), c)):
-                    turn = (b + r) % len(names)
-                    for name in names[turn:] + names[:turn]:
-                        batches[name].append(engines[name].call(run_batch, chats[start:start + c], params))
-                for name in names:
-                    tok_s[(name, c)].append(joined(batches[name])["tok_s"])
+                for name, one in interleaved_passes(engines, chats, c, r, params).items():
+                    tok_s[(name, c)].append(one["tok_s"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
         for engine in engines.values():
