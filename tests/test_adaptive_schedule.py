@@ -223,7 +223,8 @@ def test_a_steps_shape_counts_drafter_rows_only_for_a_drafter_that_runs_a_model(
 def test_a_request_too_short_to_use_a_probe_is_not_probed():
     # the scheduler hook passes each row's steps left (max_tokens less its output) to the decision
     adaptive = AdaptiveDraftLengths("ngram", K, prior=TRUE,
-                                    policy=DraftLengthPolicy(ceiling=K, probe_interval=4, prior_acceptance=0.0))
+                                    policy=DraftLengthPolicy(ceiling=K, probe_interval=4, prior_acceptance=0.0,
+                                                            warmup_verifies=1))
     adaptive.controller.record(-1, 1, 0)  # the engine has verified a draft: requests wait their interval
     adaptive.controller.forget(-1)
     short, long = sequence(1, 3, max_tokens=8), sequence(2, 3, max_tokens=100)

@@ -73,8 +73,10 @@ def test_a_replay_of_histories_and_step_times_gives_the_length_the_rule_says():
     cost = fit_step_cost(samples, prior=StepCost(), prior_weight=1e-9)
     assert (cost.c_step, cost.c_decode_row, cost.c_verify_row) == pytest.approx((0.010, 0.003, 0.003), rel=1e-6)
     # population_memory huge: the engine-wide counts do not decay within this replay
+    # no warm-up (warmup_verifies=0): the rule alone decides after these few verifies
     ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, ema_weight=0.5, prior_acceptance=0.5,
-                                                  population_weight=1.0, population_memory=10**12), "ngram")
+                                                  population_weight=1.0, population_memory=10**12,
+                                                  warmup_verifies=0), "ngram")
     for proposed, accepted in [(3, 3), (3, 3), (3, 1)]:
         ctl.record(0, proposed, accepted)  # A's own (decay 0.5): hits [1.75, .75, 1.5] over trials [1.75, 1.75, 1.5]
     for proposed, accepted in [(3, 0), (3, 0)]:
@@ -181,8 +183,10 @@ def test_acceptance_zero_gives_length_zero_and_one_with_cheap_verify_the_ceiling
 
 
 def test_a_request_at_length_zero_probes_after_the_interval():
-    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0), "ngram")
-    # nothing verified yet anywhere: the first request probes from its first step until a verify
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0,
+                                                  warmup_verifies=1), "ngram")
+    # nothing verified yet anywhere (a warm-up of one verify): the first request probes from its
+    # first step until a verify
     assert [ctl.decide([7], CPU) for _ in range(2)] == [[1], [1]]
     ctl.record(7, 1, 0)  # the probe was verified (and rejected): the interval starts again
     assert [ctl.decide([7], CPU) for _ in range(5)] == [[0], [0], [0], [0], [1]]
@@ -227,6 +231,7 @@ def test_prompt_lookup_drafts_cost_their_verify_rows_only():
      r"population_probe_interval \(0\) must be an integer >= 1"),
     (lambda: DraftLengthPolicy(ceiling=4, population_weight=-1), r"population_weight \(-1\) must be >= 0"),
     (lambda: DraftLengthPolicy(ceiling=4, population_memory=0), r"population_memory \(0\) must be an integer >= 1"),
+    (lambda: DraftLengthPolicy(ceiling=4, warmup_verifies=-1), r"warmup_verifies \(-1\) must be an integer >= 0"),
     (lambda: Evidence.empty(1, 0.5).record(1, 2), r"accepted \(2\) <= proposed \(1\) <= ceiling \(1\)"),
     (lambda: DraftLengthController(DraftLengthPolicy(ceiling=2), "medusa").decide([0], CPU),
      r"spec method 'medusa' must be one of"),
@@ -239,7 +244,8 @@ def test_bad_input_names_the_value_and_the_rule(make, match):
 def test_a_request_without_the_steps_to_use_a_probe_does_not_probe():
     # a probe pays only through the steps after it: a request with probe_interval steps or fewer
     # left stays at 0, unless no draft was verified engine-wide for population_probe_interval steps
-    policy = DraftLengthPolicy(ceiling=3, probe_interval=4, population_probe_interval=10, prior_acceptance=0.0)
+    policy = DraftLengthPolicy(ceiling=3, probe_interval=4, population_probe_interval=10, prior_acceptance=0.0,
+                               warmup_verifies=1)
     ctl = DraftLengthController(policy, "ngram")
     ctl.record(-1, 1, 0)  # the engine has verified a draft: new requests wait their interval
     ctl.forget(-1)
@@ -258,11 +264,51 @@ def test_a_request_without_the_steps_to_use_a_probe_does_not_probe():
     assert [ctl.decide([4], CPU, steps_left=[None])[0] for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
+def test_a_fresh_engine_probes_every_row_at_length_zero_until_it_has_warmed_up():
+    # the 12-07 cold start (draft_controller's docstring): one rejected probe set the population's
+    # p_0 from the prior's 0.5 to 0.25, every later request started at 0, and none had the steps
+    # left to probe. Here a draft pays from p_0 ~0.3 (1.3 tokens for 19 ms against 1 for 13), and
+    # short requests (3 steps each) follow one whose first draft was rejected; every later draft
+    # would hold.
+    costly = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.006)
+
+    def lengths_after_a_rejection(warmup: int) -> list[int]:
+        ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, warmup_verifies=warmup), "ngram")
+        assert ctl.decide([1], costly, steps_left=[3]) == [1]  # the prior's 0.5: the rule drafts one
+        ctl.record(1, 1, 0)
+        ctl.forget(1)
+        got = []
+        for seq in (2, 3, 4):
+            for left in (3, 2, 1):
+                (k,) = ctl.decide([seq], costly, steps_left=[left])
+                got.append(k)
+                ctl.record(seq, k, k)
+            ctl.forget(seq)
+        return got
+
+    # warming up (3 verifies): request 2 probes twice, both drafts hold, and the rule drafts from
+    # there (1, and 2 once the population has seen more of them held)
+    warmed = lengths_after_a_rejection(3)
+    assert warmed[:2] == [1, 1] and min(warmed) >= 1, warmed
+    # the mutation, no warm-up past the first verify: the engine never learns that drafts hold
+    assert lengths_after_a_rejection(1) == [0] * 9
+    # a row whose drafter proposed nothing (prompt lookup without a match) shows nothing: still warming
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, prior_acceptance=0.0, warmup_verifies=2), "ngram")
+    assert ctl.decide([1], CPU, steps_left=[1]) == [1]
+    ctl.record(1, 0, 0)
+    for _ in range(2):
+        assert ctl.decide([1], CPU, steps_left=[1]) == [1] and ctl.is_warming_up
+        ctl.record(1, 1, 0)
+    # warmed up on two rejections: a row at 0 waits its interval, and a short one never probes
+    assert not ctl.is_warming_up and ctl.decide([2], CPU, steps_left=[3]) == [0]
+
+
 def test_probes_fall_due_together():
     # rows at length 0 join a step that probes anyway once past half their interval, so the
     # drafter runs on few steps: 16 requests arriving a step apart, every draft rejected
     interval, steps = 8, 160
-    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=interval, prior_acceptance=0.0), "ngram")
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=interval, prior_acceptance=0.0,
+                                                  warmup_verifies=1), "ngram")
     ctl.record(-1, 1, 0)  # the engine has verified a draft: new requests wait their interval
     ctl.forget(-1)
     probing_steps = 0
@@ -276,7 +322,8 @@ def test_probes_fall_due_together():
     # one probing step per half interval at most (plus the arrivals' first): unaligned, the 16
     # requests' phases stay apart and two steps in every interval's 8 probe
     assert probing_steps <= steps // (interval // 2) + 2, probing_steps
-    first = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0), "ngram")
+    first = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, prior_acceptance=0.0,
+                                                    warmup_verifies=1), "ngram")
     first.record(-1, 1, 0)
     first.requests[1] = RequestAcceptance(Evidence.empty(3, 0.5), steps_unverified=4)  # due
     first.requests[2] = RequestAcceptance(Evidence.empty(3, 0.5), steps_unverified=2)  # half-way: joins

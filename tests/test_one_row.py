@@ -48,6 +48,22 @@ def test_a_length_not_run_for_max_age_steps_forgets_its_times_and_takes_the_line
     assert rows.stats() == {"num_timed": [2, 0, 2, 0]}
 
 
+def test_past_the_lengths_seen_a_draft_costs_at_least_the_dearest_one_seen_from_1_up():
+    # 1 and 2 drafts ride along (0.5 ms each), a third costs 3 ms: 4 and 5 are priced at 3 ms a
+    # draft, not at the line's 1 ms; the first draft's price (the verify path's fixed cost) is no bound
+    rows = OneRowVerify(5, seeds={0: 10 * MS, 1: 10.5 * MS, 2: 11 * MS, 3: 14 * MS})
+    table = rows.table(1 * MS)
+    assert table == pytest.approx(tuple(x * MS for x in (0.0, 0.5, 1.0, 4.0, 7.0, 10.0)))
+    assert OneRowVerify(3, seeds={0: 10 * MS, 1: 16 * MS}).table(1 * MS) == pytest.approx((0.0, 6 * MS, 7 * MS, 8 * MS))
+    # at 0.9 a position, 2 drafts (2.71 tokens for 11 ms) beat 5 on the table; on the line's
+    # price past 3, 5 drafts (4.69 tokens for 16 ms) would win: the mutation
+    probs = [[0.9] * 5]
+    assert best_lengths(probs, StepCost(c_step=10 * MS, c_verify_row=1 * MS, one_row_verify=table), "ngram", 5) == [2]
+    line_past = tuple(x * MS for x in (0.0, 0.5, 1.0, 4.0, 5.0, 6.0))
+    assert best_lengths(probs, StepCost(c_step=10 * MS, c_verify_row=1 * MS, one_row_verify=line_past),
+                        "ngram", 5) == [5]
+
+
 def test_the_model_prices_a_one_row_step_from_its_table_and_every_other_step_by_the_line():
     cost = StepCost(c_step=10 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS, one_row_verify=(0.0, 0.6 * MS, 5 * MS))
     assert cost.predict(one_row(2)) == pytest.approx(16 * MS)  # 10 + 1 + the table's 5

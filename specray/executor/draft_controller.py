@@ -24,8 +24,14 @@ the best choice's modelled goodput beats theirs by more than ``switch_margin`` (
 noise moves the fit a little every step, and a near-tie would otherwise flap.
 
 Staleness of the estimate: a request at length 0 shows nothing, so after ``probe_interval``
-steps without a verify it drafts one token (a probe) to refresh p_0; while the engine has never
-verified a draft (its first requests), a request probes at its first decode step. A step that
+steps without a verify it drafts one token (a probe) to refresh p_0. A fresh engine first warms
+the population up: until ``warmup_verifies`` verifies engine-wide have shown a draft, every row at
+length 0 probes at every step, whatever it has left. One rejected probe otherwise set the
+population's p_0 from the prior's 0.5 to 0.25, every request after it started at 0, and none had
+the steps left to probe: measured 12-07 (prompt lookup, concurrency 1, 48-token requests), a
+fresh engine's first request probed once, was rejected, and the engine ran plain through 250
+steps (5 requests) until a population probe fell due, where the same chats drafted 1 and 3 on a
+warmed engine (its first pass of the 17:05 grid ran at 0.91 of the best static k, the next 1.03). A step that
 probes takes along every row at 0 past half its interval, so that probes fall on few steps.
 A probe pays only through the steps that use what it shows: a request with ``probe_interval``
 steps or fewer left (its ``max_tokens``) does not probe, unless no draft has been verified
@@ -65,6 +71,9 @@ class DraftLengthPolicy:
     population_probe_interval: int = 256
     """Steps without any verified draft engine-wide after which a due request probes whatever it
     has left."""
+    warmup_verifies: int = 8
+    """Verifies that showed a draft engine-wide before the population's estimate is used alone:
+    until then every row at length 0 probes (the module docstring). 0: no warm-up."""
 
     def __post_init__(self) -> None:
         check_ceiling(self.ceiling)
@@ -81,6 +90,8 @@ class DraftLengthPolicy:
         if not isinstance(self.population_probe_interval, int) or self.population_probe_interval < 1:
             raise ConfigError(f"population_probe_interval ({self.population_probe_interval!r}) must be an "
                               f"integer >= 1 (steps)")
+        if not isinstance(self.warmup_verifies, int) or self.warmup_verifies < 0:
+            raise ConfigError(f"warmup_verifies ({self.warmup_verifies!r}) must be an integer >= 0 (verifies)")
 
 
 def _require_in(value, name: str, low: float, high: float, low_open: bool = False) -> None:
@@ -145,6 +156,7 @@ class DraftLengthController:
     num_steps_without_drafting: int = 0
     num_switches: int = 0  # steps whose held lengths changed for a request that already had one
     steps_since_verify: int = 0  # steps since any request verified a draft (engine-wide)
+    num_verifies: int = 0  # verifies that showed a draft, engine-wide (the warm-up counts them)
     population: Evidence = field(init=False)  # every request's verifies, engine-wide
 
     def __post_init__(self) -> None:
@@ -152,14 +164,13 @@ class DraftLengthController:
 
     def _state(self, seq_id: int) -> RequestAcceptance:
         if seq_id not in self.requests:
-            # before the engine has verified anything, a new request is due a probe at once
-            due = self.policy.probe_interval if not self.has_verified else 0
-            self.requests[seq_id] = RequestAcceptance(Evidence.empty(self.policy.ceiling, self.policy.ema_weight), due)
+            self.requests[seq_id] = RequestAcceptance(Evidence.empty(self.policy.ceiling, self.policy.ema_weight))
         return self.requests[seq_id]
 
     @property
-    def has_verified(self) -> bool:
-        return any(self.population.trials)
+    def is_warming_up(self) -> bool:
+        """Fewer than ``warmup_verifies`` verifies engine-wide have shown a draft."""
+        return self.num_verifies < self.policy.warmup_verifies
 
     def population_estimate(self) -> list[float]:
         return self.population.population_estimate(self.policy.prior_acceptance)
@@ -202,7 +213,9 @@ class DraftLengthController:
         interval of 32, one step in two runs the drafter for one row (the suspected cause of
         issue 27's eagle3 cell at concurrency 16; docs/benchmarks.md, the partial grid). A row with
         ``probe_interval`` steps or fewer left does not probe while the population is fresh (the
-        module docstring)."""
+        module docstring). While the engine warms up, every row at 0 probes."""
+        if self.is_warming_up:
+            return [1 if k == 0 and self.policy.ceiling else k for k in lengths]
         interval = self.policy.probe_interval
         is_stale = self.steps_since_verify >= self.policy.population_probe_interval
         can_use = [is_stale or left is None or left > interval for left in steps_left]
@@ -218,6 +231,7 @@ class DraftLengthController:
         state.evidence.record(proposed, accepted)
         if proposed:
             state.steps_unverified = self.steps_since_verify = 0
+            self.num_verifies += 1
             self.population.record(proposed, accepted)
 
     def forget(self, seq_id: int) -> None:

@@ -16,7 +16,13 @@ from another load for good: the planner then never tries it again). ``table`` is
 the median time at each L over the plain step's, non-decreasing in L (a verify does not get
 cheaper with a draft more: where noise says so, the shorter length's time stands), linear
 between the lengths seen, and past the longest seen a draft's price on the line (its verify row
-and its drafting). ``StepCost.one_row_verify`` carries it to the planner, which rates every length
+and its drafting) or, where more, the dearest draft between two lengths seen from 1 up: a further
+row costs no less than the ones before it (the weights are read once; rows past the first few
+only add compute). The first draft's price is not such a bound: it carries the verify path's
+fixed cost (EAGLE-3 above: 6 ms for one draft, 2.8 for each next). A bound, not a measurement:
+the knee measured above (0.05 ms for a third draft's row over the second's, 1.1 for the fourth,
+2.4 for the fifth) is not seen from below it, but a length priced under the dearest draft already
+timed is not tried on that price. ``StepCost.one_row_verify`` carries it to the planner, which rates every length
 of a one-row step exactly (``draft_length.best_lengths``).
 
 Why the drafting is in the table: at one row a drafter that proposes what it is asked (eagle3,
@@ -82,16 +88,24 @@ class OneRowVerify:
             return ()
         plain = median(fresh[0])
         seen = {n: max(median(s) - plain, 0.0) for n, s in enumerate(fresh) if s}
+        past = max([per_draft] + dearest_drafts(seen))  # a draft's price past the longest length seen
         out, last = [], 0  # last: the longest length seen so far
         for n in range(self.ceiling + 1):
             if n in seen:
                 value, last = seen[n], n
             else:
                 after = next((m for m in range(n + 1, self.ceiling + 1) if m in seen), None)
-                value = (seen[last] + per_draft * (n - last) if after is None
+                value = (seen[last] + past * (n - last) if after is None
                          else seen[last] + (seen[after] - seen[last]) * (n - last) / (after - last))
             out.append(max(value, out[-1]) if out else 0.0)
         return tuple(out)
 
     def stats(self) -> dict:
         return {"num_timed": [len(self._fresh(n)) for n in range(self.ceiling + 1)]}
+
+
+def dearest_drafts(seen: dict[int, float]) -> list[float]:
+    """Seconds a draft between consecutive lengths seen from 1 up (the module docstring: past the
+    longest length seen a draft costs at least the dearest of these)."""
+    lengths = sorted(n for n in seen if n >= 1)
+    return [(seen[b] - seen[a]) / (b - a) for a, b in zip(lengths, lengths[1:])]
