@@ -137,7 +137,7 @@ class PinnedOff:
     def __getattr__(self, name):
         return getattr(self.controller, name)
 
-    def decide(self, seq_ids: list[int], cost, steps_left=None) -> list[int]:
+    def decide(self, seq_ids: list[int], cost, steps_left=None, resume_seconds=0.0) -> list[int]:
         return [0] * len(seq_ids)
 
 

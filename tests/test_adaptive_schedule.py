@@ -246,7 +246,7 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self.controller, name)
 
-    def decide(self, ids, cost, steps_left=None):
+    def decide(self, ids, cost, steps_left=None, resume_seconds=0.0):
         return next(self.lengths) if ids else []
 
 
@@ -281,6 +281,10 @@ def test_a_step_whose_drafter_catches_up_is_left_out_of_the_fit(method, fitted, 
     assert adaptive.stats()["step_cost"]["num_steps_not_fitted"] == fitted.count(0)
     two = shape_of(StepPlan(seq_ids=[0], input_ids=[[1]], num_drafts=[2]), method)  # the price of 2 drafts
     assert adaptive.cost.at(1).predict(two) == pytest.approx(TRUE.predict(two), rel=1e-6)  # fitted on TRUE's times
+    # what the catch-ups took over the model's price (49x a 2-draft step each), per resumed row:
+    # the decision charges it to rows that resume (none for prompt lookup, which never catches up)
+    resume = 49 * TRUE.predict(two) if method == "draft_model" else 0.0
+    assert adaptive.stats()["step_cost"]["resume_s"] == pytest.approx(resume, rel=1e-6)
     if method == "draft_model":  # mutation: timed in, the catching-up steps move the fit off the model
         monkeypatch.setattr(AdaptiveDraftLengths, "is_fitted", lambda self, planned: True)
         got, adaptive = timings_with_catch_ups(method)

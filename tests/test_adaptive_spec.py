@@ -59,7 +59,7 @@ class Forced:
     def __getattr__(self, name):
         return getattr(self.controller, name)
 
-    def decide(self, seq_ids, cost, steps_left=None):
+    def decide(self, seq_ids, cost, steps_left=None, resume_seconds=0.0):
         lengths = [self.rule(self.step, sid) for sid in seq_ids]
         self.choices.append(dict(zip(seq_ids, lengths)))
         self.step += 1

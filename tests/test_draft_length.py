@@ -303,6 +303,27 @@ def test_a_fresh_engine_probes_every_row_at_length_zero_until_it_has_warmed_up()
     assert not ctl.is_warming_up and ctl.decide([2], CPU, steps_left=[3]) == [0]
 
 
+def test_a_resumed_rows_catch_up_is_charged_where_it_drafts():
+    # two rows at 0.5 a position, 13 ms plain, 3 ms a verify row: both draft one without a charge
+    # (3 tokens for 19 ms... (1, 1) 3/22 beats (0, 1) 2.5/19); with 6 ms charged to the first row
+    # (its drafter would catch up), only the second drafts
+    probs = [[0.5] * 3, [0.5] * 3]
+    assert best_lengths(probs, CPU, "ngram", 3) == [1, 1]
+    assert best_lengths(probs, CPU, "ngram", 3, resume=[0.006, 0.0]) == [0, 1]
+    assert best_lengths(probs[:1], CPU, "ngram", 3, resume=[0.006]) == [0]  # one row: 1.5 / 22 < 1 / 13
+    assert goodput(probs, [1, 0], CPU, "ngram", [0.006, 0.0]) == pytest.approx(2.5 / 0.025)
+    with pytest.raises(ValueError, match=r"resume .* one number of seconds >= 0 per decode row \(2\)"):
+        best_lengths(probs, CPU, "ngram", 3, resume=[0.006])
+    # the controller charges a row that did not draft at its last step, spread over the steps it
+    # can draft from here (at most probe_interval); none once it drafts
+    ctl = DraftLengthController(DraftLengthPolicy(ceiling=3, probe_interval=4, warmup_verifies=0), "ngram")
+    assert ctl.resume_charges([1, 2, 3], [10, 2, None], 0.008) == pytest.approx([0.002, 0.004, 0.002])
+    assert ctl.resume_charges([1], [10], 0.0) == [0.0]
+    assert ctl.decide([1], CPU, steps_left=[10], resume_seconds=0.008) == [1]  # 1.5 / 18 ms > 1 / 13
+    assert ctl.resume_charges([1], [9], 0.008) == [0.0]  # it drafted at its last step
+    assert ctl.decide([2], CPU, steps_left=[1], resume_seconds=0.008) == [0]  # 8 ms on its one step left
+
+
 def test_probes_fall_due_together():
     # rows at length 0 join a step that probes anyway once past half their interval, so the
     # drafter runs on few steps: 16 requests arriving a step apart, every draft rejected

@@ -113,7 +113,7 @@ class AtCeiling:
     def __getattr__(self, name):
         return getattr(self.controller, name)
 
-    def decide(self, seq_ids, cost, steps_left=None):
+    def decide(self, seq_ids, cost, steps_left=None, resume_seconds=0.0):
         self.controller.decide(seq_ids, cost, steps_left)  # keeps its probes' and histogram's bookkeeping
         return [K] * len(seq_ids)
 

@@ -27,6 +27,8 @@ itself is already computed: a block drafter drafts every position in one forward
 from __future__ import annotations
 
 import logging
+from collections import deque
+from statistics import median
 
 from specray.executor.draft_controller import DraftLengthController, DraftLengthPolicy
 from specray.executor.draft_length import draft_forwards, draft_rows, goodput, per_draft_seconds
@@ -68,6 +70,8 @@ class AdaptiveDraftLengths:
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
         self._was_drafting: dict[int, bool] = {}  # each decoding sequence: did it draft at its last step
         self.num_steps_not_fitted = 0  # steps whose drafter caught up (``is_fitted``)
+        # per resumed row, what a catch-up step took over its modelled time (the last 32)
+        self._resumes: deque[float] = deque(maxlen=32)
         slopes = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((verify_slopes or {}).items()))
         plain = ", ".join(f"{1e3 * v:.3g} ms at {n}" for n, v in sorted((plain_seconds or {}).items()))
         log.info("adaptive speculation (%s, lengths 0..%d): %s prior: %s%s%s", method, ceiling, prior.describe(),
@@ -78,7 +82,8 @@ class AdaptiveDraftLengths:
         """The draft lengths of the sequences that decode this step (scheduler hook)."""
         ids = [seq.seq_id for seq in decoding]
         cost = self.cost.at(len(ids))
-        lengths = self.controller.decide(ids, cost, [seq.params.max_tokens - len(seq.output_ids) for seq in decoding])
+        lengths = self.controller.decide(ids, cost, [seq.params.max_tokens - len(seq.output_ids) for seq in decoding],
+                                         resume_seconds=self.resume_seconds)
         self._planned = dict(zip(ids, lengths))
         self.verify_threshold = None
         if self.confidence_gated and any(lengths):
@@ -104,6 +109,10 @@ class AdaptiveDraftLengths:
             self.cost.record(shape, seconds)
         else:
             self.num_steps_not_fitted += 1
+            resumed = sum(1 for sid, length in self._planned.items() if length and not self._was_drafting.get(sid))
+            if resumed:  # the catch-up: what the step took over the model's price of its shape
+                over = seconds - self.cost.at(shape.num_decode_rows).predict(shape)
+                self._resumes.append(max(over, 0.0) / resumed)
         self._was_drafting.update((sid, length > 0) for sid, length in self._planned.items())
         self._planned = {}
 
@@ -120,11 +129,18 @@ class AdaptiveDraftLengths:
             return True
         return all(self._was_drafting.get(sid, False) for sid, length in planned.items() if length)
 
+    @property
+    def resume_seconds(self) -> float:
+        """A resumed row's catch-up, the median of the last 32 measured (0 before any; never for
+        prompt lookup, which has nothing to catch up)."""
+        return median(self._resumes) if self._resumes else 0.0
+
     def stats(self) -> dict:
         gated = {"num_drafts_not_verified": self.num_drafts_not_verified} if self.confidence_gated else {}
         return {**self.controller.stats(), **gated, "step_cost": {**self.cost.stats(), "prior": self.prior_source,
                                                           "prior_cost": self.cost.prior.as_dict(),
-                                                          "num_steps_not_fitted": self.num_steps_not_fitted}}
+                                                          "num_steps_not_fitted": self.num_steps_not_fitted,
+                                                          "resume_s": self.resume_seconds}}
 
 
 def step_shape(method: str, plan: StepPlan, planned: dict[int, int], num_drafts: list[int] | None) -> StepShape:

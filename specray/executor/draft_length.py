@@ -25,6 +25,11 @@ O(rounds x rows x ceiling)). A step of one decode row rates each length directly
 prices the verify from a measured table (``StepCost.one_row_verify``, not a line in k). Ties
 go to the shorter length.
 
+``resume``: seconds a row adds to T when it drafts at all (k >= 1), per row: the share of the
+drafter's catch-up charged to this step for a row that did not draft at its last step (the
+controller spreads a catch-up over the steps a resumed row can draft; ``draft_controller``). It
+is a fixed cost per drafting row, so the split per request above still holds.
+
 ``draft_controller.DraftLengthController`` applies this to each step's decode rows, with
 hysteresis and probes.
 """
@@ -102,16 +107,27 @@ def decode_seconds(cost: StepCost, lengths: list[int], method: str) -> float:
                                   num_draft_forwards=draft_forwards(method, max(lengths, default=0))))
 
 
-def goodput(probs_by_row, lengths: list[int], cost: StepCost, method: str) -> float:
-    """Expected tokens per modelled second of the decode rows at these lengths."""
+def goodput(probs_by_row, lengths: list[int], cost: StepCost, method: str, resume=None) -> float:
+    """Expected tokens per modelled second of the decode rows at these lengths (``resume``: the
+    module docstring)."""
     tokens = sum(expected_tokens(p, k) for p, k in zip(probs_by_row, lengths))
-    seconds = decode_seconds(cost, lengths, method)
+    seconds = decode_seconds(cost, lengths, method) + _resumed(resume, lengths)
     return tokens / seconds if seconds > 0 else math.inf
 
 
-def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> list[int]:
-    """The lengths (one per decode row, each in [0, ceiling]) of the highest modelled goodput."""
+def _resumed(resume, lengths: list[int]) -> float:
+    # the resume seconds of the rows that draft
+    return sum(r for r, k in zip(resume, lengths) if k) if resume else 0.0
+
+
+def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int, resume=None) -> list[int]:
+    """The lengths (one per decode row, each in [0, ceiling]) of the highest modelled goodput
+    (``resume``: seconds per row, added where it drafts; the module docstring)."""
     check_ceiling(ceiling)
+    resume = list(resume) if resume else [0.0] * len(probs_by_row)
+    if len(resume) != len(probs_by_row) or any(not (isinstance(r, (int, float)) and r >= 0) for r in resume):
+        raise ConfigError(f"resume ({resume!r}) must hold one number of seconds >= 0 per decode row "
+                          f"({len(probs_by_row)})")
     for probs in probs_by_row:
         _check_probs(probs)
         if len(probs) < ceiling:
@@ -122,12 +138,12 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
     per_token = cost_per_draft(cost, method)
     fixed = cost.c_step + cost.c_decode_row * len(gains)
     lengths = [0] * len(gains)
-    rate = _rate(gains, lengths, cost, method)
+    rate = _rate(gains, lengths, cost, method, resume)
     if math.isinf(rate):  # a plain step modelled free: draft only if drafting is free too
         full = [ceiling] * len(gains)
-        return full if decode_seconds(cost, full, method) == 0 else lengths
+        return full if decode_seconds(cost, full, method) + _resumed(resume, full) == 0 else lengths
     if len(gains) == 1:  # one row: every length rated as modelled (StepCost.one_row_verify is not a line)
-        rates = [_rate(gains, [k], cost, method) for k in range(ceiling + 1)]
+        rates = [_rate(gains, [k], cost, method, resume) for k in range(ceiling + 1)]
         return [max(range(ceiling + 1), key=lambda k: (rates[k], -k))]
     for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard
         best, best_value = None, 1e-12 * len(gains)  # N - lam T is 0 at the current lengths
@@ -135,15 +151,18 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int) -> lis
         pick = [0] * len(gains)
         for m in range(ceiling + 1):
             for r, g in enumerate(gains):
-                if g[m] - rate * per_token * m > g[pick[r]] - rate * per_token * pick[r]:
+                row_seconds = per_token * m + (resume[r] if m else 0.0)
+                picked_seconds = per_token * pick[r] + (resume[r] if pick[r] else 0.0)
+                if g[m] - rate * row_seconds > g[pick[r]] - rate * picked_seconds:
                     pick[r] = m
-            seconds = fixed + per_token * sum(pick) + cost.c_draft_forward * draft_forwards(method, m)
+            seconds = fixed + per_token * sum(pick) + _resumed(resume, pick) + \
+                cost.c_draft_forward * draft_forwards(method, m)
             value = sum(g[k] for g, k in zip(gains, pick)) - rate * seconds
             if value > best_value:
                 best, best_value = list(pick), value
         if best is None:
             return lengths
-        lengths, rate = best, _rate(gains, best, cost, method)
+        lengths, rate = best, _rate(gains, best, cost, method, resume)
     return lengths
 
 
@@ -156,8 +175,8 @@ def _expected_by_length(probs, ceiling: int) -> list[float]:
     return out
 
 
-def _rate(gains: list[list[float]], lengths: list[int], cost: StepCost, method: str) -> float:
+def _rate(gains: list[list[float]], lengths: list[int], cost: StepCost, method: str, resume=None) -> float:
     # goodput from precomputed expected tokens per length
-    seconds = decode_seconds(cost, lengths, method)
+    seconds = decode_seconds(cost, lengths, method) + _resumed(resume, lengths)
     tokens = sum(g[k] for g, k in zip(gains, lengths))
     return tokens / seconds if seconds > 0 else math.inf
