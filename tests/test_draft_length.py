@@ -267,7 +267,7 @@ def test_a_request_without_the_steps_to_use_a_probe_does_not_probe():
 def test_a_fresh_engine_probes_every_row_at_length_zero_until_it_has_warmed_up():
     # the 12-07 cold start (draft_controller's docstring): one rejected probe set the population's
     # p_0 from the prior's 0.5 to 0.25, every later request started at 0, and none had the steps
-    # left to probe. Here a draft pays from p_0 ~0.3 (1.3 tokens for 19 ms against 1 for 13), and
+    # left to probe. Here a draft pays from p_0 ~0.46 (6 ms more on a 13 ms step), and
     # short requests (3 steps each) follow one whose first draft was rejected; every later draft
     # would hold.
     costly = StepCost(c_step=0.010, c_decode_row=0.003, c_verify_row=0.006)
@@ -305,7 +305,7 @@ def test_a_fresh_engine_probes_every_row_at_length_zero_until_it_has_warmed_up()
 
 def test_a_resumed_rows_catch_up_is_charged_where_it_drafts():
     # two rows at 0.5 a position, 13 ms plain, 3 ms a verify row: both draft one without a charge
-    # (3 tokens for 19 ms... (1, 1) 3/22 beats (0, 1) 2.5/19); with 6 ms charged to the first row
+    # ((1, 1): 3 tokens in 22 ms beats (0, 1): 2.5 in 19); with 6 ms charged to the first row
     # (its drafter would catch up), only the second drafts
     probs = [[0.5] * 3, [0.5] * 3]
     assert best_lengths(probs, CPU, "ngram", 3) == [1, 1]

@@ -19,7 +19,7 @@ between the lengths seen, and past the longest seen a draft's price on the line 
 and its drafting) or, where more, the dearest draft between two lengths seen from 1 up: a further
 row costs no less than the ones before it (the weights are read once; rows past the first few
 only add compute). The first draft's price is not such a bound: it carries the verify path's
-fixed cost (EAGLE-3 above: 6 ms for one draft, 2.8 for each next). A bound, not a measurement:
+fixed cost (EAGLE-3 below: ~6.5 ms for one draft, 2.8 for each next on the line). A bound, not a measurement:
 the knee measured above (0.05 ms for a third draft's row over the second's, 1.1 for the fourth,
 2.4 for the fifth) is not seen from below it, but a length priced under the dearest draft already
 timed is not tried on that price. ``StepCost.one_row_verify`` carries it to the planner, which rates every length
