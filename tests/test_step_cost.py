@@ -98,6 +98,37 @@ def test_a_refit_every_n_steps_is_the_every_step_fit_at_those_steps():
         previous = b
 
 
+def test_the_planners_unchecked_seconds_are_predict_of_the_same_shape():
+    # StepCost.seconds skips building a checked StepShape (the planner rates every length of every
+    # step); it must price exactly as predict, the one-row table's lengths included
+    one_row = StepCost(**{f"c_{n}": c for n, c in zip(FEATURES, TRUE.coefficients)},
+                       one_row_verify=(0.0, 0.004, 0.0045, 0.009))
+    rng = random.Random(5)
+    for cost in (TRUE, one_row):
+        for _ in range(300):
+            counts = (rng.choice([0, 1, 1, 2, 5]), rng.randint(0, 5), rng.choice([0, 0, 17]), rng.randint(0, 5),
+                      rng.randint(0, 5))
+            shape = StepShape(**dict(zip(("num_decode_rows", "num_verify_rows", "num_prefill_tokens",
+                                          "num_draft_rows", "num_draft_forwards"), counts)))
+            assert cost.seconds(*counts) == pytest.approx(cost.predict(shape), rel=1e-12, abs=1e-15)
+    # a one-row step of 2 verified drafts: the plain one-row step plus the table's 4.5 ms
+    assert one_row.seconds(1, 2, 0, 2, 2) == pytest.approx(0.010 + 0.003 + 0.0045)
+
+
+def test_the_online_sums_equal_a_fit_of_the_window_from_scratch():
+    # the running sums skip a step's zero features and subtract the steps leaving the window
+    rng = random.Random(11)
+    prior = StepCost(c_step=0.01, c_decode_row=0.002, c_verify_row=0.001)
+    online, samples = OnlineStepCost(prior, window=20), []
+    for _ in range(57):  # past two window rebuilds (every 20 records) and between them
+        shape = StepShape(num_decode_rows=rng.randint(0, 4), num_verify_rows=rng.choice([0, 0, 3]),
+                          num_prefill_tokens=rng.choice([0, 0, 0, 40]))
+        samples.append((shape, TRUE.predict(shape) * (1 + rng.gauss(0, 0.05))))
+        got = online.record(*samples[-1])
+    want = fit_step_cost(samples[-20:], prior=prior, prior_weight=online.prior_weight)
+    assert got.coefficients == pytest.approx(want.coefficients, rel=1e-9, abs=1e-12)
+
+
 def test_stats_and_describe_name_every_coefficient():
     assert list(TRUE.as_dict()) == [f"c_{n}_s" for n in FEATURES]
     assert TRUE.describe().startswith("step cost (ms): step 10")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 
 from specray.errors import ConfigError
-from specray.executor.step_cost import StepCost, StepShape
+from specray.executor.step_cost import StepCost
 
 # how many sequential drafter forwards a longest length m costs, per spec method
 _ONE_PER_POSITION = ("draft_model", "eagle3", "mtp")
@@ -102,9 +102,7 @@ def expected_tokens(probs, length: int) -> float:
 def decode_seconds(cost: StepCost, lengths: list[int], method: str) -> float:
     """Modelled seconds of the decode part of a step whose decode rows draft ``lengths``."""
     n = sum(lengths)
-    return cost.predict(StepShape(num_decode_rows=len(lengths), num_verify_rows=n,
-                                  num_draft_rows=draft_rows(method, n),
-                                  num_draft_forwards=draft_forwards(method, max(lengths, default=0))))
+    return cost.seconds(len(lengths), n, 0, draft_rows(method, n), draft_forwards(method, max(lengths, default=0)))
 
 
 def goodput(probs_by_row, lengths: list[int], cost: StepCost, method: str, resume=None) -> float:
@@ -143,7 +141,9 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int, resume
         full = [ceiling] * len(gains)
         return full if decode_seconds(cost, full, method) + _resumed(resume, full) == 0 else lengths
     if len(gains) == 1:  # one row: every length rated as modelled (StepCost.one_row_verify is not a line)
-        rates = [_rate(gains, [k], cost, method, resume) for k in range(ceiling + 1)]
+        (g,), (r,) = gains, resume
+        rates = [g[k] / (cost.seconds(1, k, 0, draft_rows(method, k), draft_forwards(method, k)) + (r if k else 0.0))
+                 for k in range(ceiling + 1)]  # > 0: the plain step's seconds are (rate is finite)
         return [max(range(ceiling + 1), key=lambda k: (rates[k], -k))]
     for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard
         best, best_value = None, 1e-12 * len(gains)  # N - lam T is 0 at the current lengths

@@ -98,13 +98,20 @@ class StepCost:
 
     def predict(self, shape: StepShape) -> float:
         """Modelled seconds of a step of this shape."""
-        seconds = sum(c * x for c, x in zip(self.coefficients, shape.features()))
-        n, table = shape.num_verify_rows, self.one_row_verify
-        if shape.num_decode_rows == 1 and not shape.num_prefill_tokens and 0 < n < len(table):
+        return self.seconds(shape.num_decode_rows, shape.num_verify_rows, shape.num_prefill_tokens,
+                            shape.num_draft_rows, shape.num_draft_forwards)
+
+    def seconds(self, decode_rows: int, verify_rows: int, prefill_tokens: int, draft_rows: int,
+                draft_forwards: int) -> float:
+        """``predict`` of the shape these counts make, unchecked: the planner rates every length of
+        every step with it, where building a checked ``StepShape`` each time was most of its cost."""
+        table = self.one_row_verify
+        if decode_rows == 1 and not prefill_tokens and 0 < verify_rows < len(table):
             # the measured drafting and verify in place of the line's
-            seconds += table[n] - self.c_verify_row * n - self.c_draft_row * shape.num_draft_rows \
-                - self.c_draft_forward * shape.num_draft_forwards
-        return seconds
+            return self.c_step + self.c_decode_row + table[verify_rows]
+        return (self.c_step + self.c_decode_row * decode_rows + self.c_verify_row * verify_rows
+                + self.c_prefill_token * prefill_tokens + self.c_draft_row * draft_rows
+                + self.c_draft_forward * draft_forwards)
 
     def as_dict(self) -> dict[str, float]:
         return {f"c_{n}_s": c for n, c in zip(FEATURES, self.coefficients)}
@@ -217,11 +224,15 @@ class OnlineStepCost:
         self.cost = prior
 
     def _accumulate(self, x: tuple[float, ...], seconds: float, sign: float) -> None:
-        for i, xi in enumerate(x):
-            self._moment[i] += sign * xi * seconds
+        # a step's features are mostly 0 (a decode step feeds no prefill, a plain one no drafts):
+        # only the nonzero ones move the sums
+        nonzero = [i for i, xi in enumerate(x) if xi]
+        for i in nonzero:
+            sxi = sign * x[i]
+            self._moment[i] += sxi * seconds
             row = self._gram[i]
-            for j, xj in enumerate(x):
-                row[j] += sign * xi * xj
+            for j in nonzero:
+                row[j] += sxi * x[j]
 
     def record(self, shape: StepShape, seconds: float) -> StepCost:
         """Add one step's measured time; returns the refreshed model."""
