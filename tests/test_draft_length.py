@@ -264,6 +264,20 @@ def test_a_request_without_the_steps_to_use_a_probe_does_not_probe():
     assert [ctl.decide([4], CPU, steps_left=[None])[0] for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
+@pytest.mark.parametrize("resume_ms, due_at", [(0.0, 10), (6.5, 10), (26.0, 20), (32.5, 25)])
+def test_a_population_probe_waits_as_many_intervals_as_its_catch_up_costs_plain_steps(resume_ms, due_at):
+    # a row that cannot use a probe of its own (3 steps left) probes once no draft was verified
+    # engine-wide for population_probe_interval (10) steps, stretched by the catch-up over the
+    # modelled plain step (13 ms at one row here: 26 ms -> 2x, 32.5 ms -> 2.5x; under 1x: none)
+    policy = DraftLengthPolicy(ceiling=3, probe_interval=4, population_probe_interval=10, prior_acceptance=0.0,
+                               warmup_verifies=1)
+    ctl = DraftLengthController(policy, "eagle3")
+    ctl.record(-1, 1, 0)  # warmed up; the population has seen a draft rejected
+    ctl.forget(-1)
+    lengths = [ctl.decide([3], CPU, steps_left=[3], resume_seconds=resume_ms / 1e3)[0] for _ in range(due_at + 1)]
+    assert lengths == [0] * due_at + [1], lengths
+
+
 def test_a_fresh_engine_probes_every_row_at_length_zero_until_it_has_warmed_up():
     # the 12-07 cold start (draft_controller's docstring): one rejected probe set the population's
     # p_0 from the prior's 0.5 to 0.25, every later request started at 0, and none had the steps

@@ -13,6 +13,7 @@ from kernel_build import built_kernels
 from specray import LLM, EngineConfig, KVConfig, ParallelConfig, SamplingParams
 from specray.comm.context import DistContext
 from specray.models import cpu_kernels, decoder, fused_decode
+from specray.models.decoder import side_by_side
 from specray.models.attention import build_metadata
 from specray.models.loader import load_model
 from specray.models.presets import resolve_model
@@ -119,15 +120,19 @@ class _IdentityGroup:
         return t
 
 
+@pytest.mark.parametrize("is_increasing", [False, True], ids=["out-of-order", "increasing"])
 @pytest.mark.parametrize("is_per_layer", [False, True], ids=["one-call", "per-layer"])
-def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatch, is_per_layer):
+def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatch, is_per_layer, is_increasing):
     # EAGLE-3 and DFlash verify with capture_layers: the fused path must hand them the same
-    # residual streams as the module path (same tolerance and reason as the logits above)
+    # residual streams as the module path (same tolerance and reason as the logits above);
+    # increasing layers in one call come back as one stacked tensor, indexed as the list
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: kernels)
     if is_per_layer:
         monkeypatch.setattr(model.layers[0].self_attn.o_proj, "group", _IdentityGroup())
     arch, gen, block_size = model.arch, torch.Generator().manual_seed(11), 32
     layers = (arch.num_layers - 1, 0, arch.num_layers // 2)  # out of order: returned in this order
+    if is_increasing:
+        layers = tuple(sorted(layers))
     tables, prompt_len = [[1, 2, 3]], 50
     pools = [torch.zeros(5, 2, model.num_local_kv_heads, block_size, arch.head_dim) for _ in range(arch.num_layers)]
     prompt = torch.randint(0, arch.vocab_size, (prompt_len,), generator=gen)
@@ -149,6 +154,9 @@ def test_fused_steps_capture_the_torch_paths_features(model, kernels, monkeypatc
     torch.testing.assert_close(fused_hidden, hidden, rtol=1e-4, atol=1e-4)
     for a, b in zip(fused_captured, captured):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # a drafter's features, side by side per row in capture order, from either form
+    assert isinstance(fused_captured, torch.Tensor) == (is_increasing and not is_per_layer)
+    torch.testing.assert_close(side_by_side(fused_captured), torch.cat(captured, dim=-1), rtol=1e-4, atol=1e-4)
 
 
 def test_a_capture_layer_past_the_model_is_refused(model, kernels, monkeypatch):

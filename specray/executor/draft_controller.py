@@ -39,10 +39,16 @@ engine-wide for ``population_probe_interval`` steps (the population, which every
 starts from, must not freeze either). Measured on the trained EAGLE-3 at concurrency 1 (48-token
 requests): a probe step took 27.5 ms against a 6 ms plain step (the drafter catches up on the
 prompt and the paused steps), and each request's probe at its step 32 cost ~4% of the run.
+That interval stretches by what a probe's catch-up costs over a plain step (``resume_seconds``
+over the modelled plain step, where more than 1), so such probes take about the share of the
+engine's time that one plain step in ``population_probe_interval`` does: measured 12-07 at
+concurrency 1 with the same drafter, where drafting never paid, every pass of 768 steps drafted
+only its 3-4 population probes, each ~24 ms (a catch-up of 14 ms), about 1% of the run.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -70,7 +76,8 @@ class DraftLengthPolicy:
     it has more steps left than this to use what the probe shows."""
     population_probe_interval: int = 256
     """Steps without any verified draft engine-wide after which a due request probes whatever it
-    has left."""
+    has left; where a probe's catch-up costs more than a plain step, that many times longer (the
+    module docstring)."""
     warmup_verifies: int = 8
     """Verifies that showed a draft engine-wide before the population's estimate is used alone:
     until then every row at length 0 probes (the module docstring). 0: no warm-up."""
@@ -202,7 +209,10 @@ class DraftLengthController:
             lengths = best
             self.num_switches += 1  # a row that differs already had a length (a new one holds the best)
         self.chosen.update(zip(decode_ids, lengths))
-        run = self._with_probes(lengths, states, steps_left)
+        plain = cost.seconds(len(decode_ids), 0, 0, 0, 0)
+        catch_up = resume_seconds / plain if plain > 0 else 1.0  # a probe's catch-up, in plain steps
+        run = self._with_probes(lengths, states, steps_left,
+                                math.ceil(self.policy.population_probe_interval * max(catch_up, 1.0)))
         self.last_run.update(zip(decode_ids, run))
         for st in states:
             st.steps_unverified += 1
@@ -226,19 +236,20 @@ class DraftLengthController:
                 for s, left in zip(decode_ids, steps_left)]
 
     def _with_probes(self, lengths: list[int], states: list[RequestAcceptance],
-                     steps_left: list[int | None]) -> list[int]:
+                     steps_left: list[int | None], population_interval: int) -> list[int]:
         """``lengths`` with a probe (length 1) for each row at 0 that is due one, and, in a step that
         probes anyway, for each row at 0 past half its interval: the step runs the drafter for the
         first probe, so the others cost only their rows, and their next probes fall due together.
         Unaligned, 16 requests arriving a step apart each probe on a step of their own: with an
         interval of 32, one step in two runs the drafter for one row (the suspected cause of
         issue 27's eagle3 cell at concurrency 16; docs/benchmarks.md, the partial grid). A row with
-        ``probe_interval`` steps or fewer left does not probe while the population is fresh (the
-        module docstring). While the engine warms up, every row at 0 probes."""
+        ``probe_interval`` steps or fewer left does not probe until no draft has been verified
+        engine-wide for ``population_interval`` steps (the module docstring). While the engine
+        warms up, every row at 0 probes."""
         if self.is_warming_up:
             return [1 if k == 0 and self.policy.ceiling else k for k in lengths]
         interval = self.policy.probe_interval
-        is_stale = self.steps_since_verify >= self.policy.population_probe_interval
+        is_stale = self.steps_since_verify >= population_interval
         can_use = [is_stale or left is None or left > interval for left in steps_left]
         if not self.policy.ceiling or not any(k == 0 and st.steps_unverified >= interval and use
                                               for k, st, use in zip(lengths, states, can_use)):

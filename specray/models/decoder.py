@@ -227,8 +227,9 @@ class CausalLM(nn.Module):
 
         With ``capture_layers`` (speculative drafters conditioned on the target), returns
         ``(hidden, captured)``: ``captured[i]`` is the residual stream after layer
-        ``capture_layers[i]``. ``pools`` may hold more layers than the model (a one-model
-        drafter's layers come last); the model uses the first ``num_layers``."""
+        ``capture_layers[i]`` (a list, or one [captures, rows, hidden] tensor from the fused
+        kernel; ``side_by_side`` joins either). ``pools`` may hold more layers than the model (a
+        one-model drafter's layers come last); the model uses the first ``num_layers``."""
         x = self.embed_tokens(ids)
         kernels = fused_kernels(self, x, pools, meta) if self.is_fused else None
         if kernels is not None:  # decode and verify on CPU: Python once per step (fused_decode.py)
@@ -259,3 +260,11 @@ class CausalLM(nn.Module):
             self.lm_head.load(reader, "lm_head")
         else:  # the embedding may now hold GGUF blocks: the head serves from them (quant_weight.py)
             set_weight(self.lm_head, self.embed_tokens.weight)
+
+
+def side_by_side(captured) -> torch.Tensor:
+    """``CausalLM.forward``'s captures as [rows, captures x hidden], each row's in capture order
+    (a drafter's features): one copy from the fused kernel's stacked tensor."""
+    if isinstance(captured, torch.Tensor):
+        return captured.transpose(0, 1).reshape(captured.shape[1], -1)
+    return torch.cat(captured, dim=-1)

@@ -12,7 +12,7 @@ import torch
 from specray.comm.context import DistContext
 from specray.kv.geometry import POOL_KINDS
 from specray.models.attention import build_metadata
-from specray.models.decoder import CausalLM
+from specray.models.decoder import CausalLM, side_by_side
 from specray.models.loader import load_model
 
 PAGE_SIZE = 64  # a page size the paged-attention kernel accepts
@@ -45,7 +45,7 @@ class TargetFeatures:
         positions, meta = build_metadata([list(range(num_pages))], PAGE_SIZE, [0], [len(tokens)], dev)
         ids = torch.tensor(tokens, device=dev)
         hidden, captured = model(ids, positions, pools, meta, capture_layers=self.feature_layers)
-        return torch.cat(captured, dim=-1).float(), model.logits(hidden).argmax(-1)
+        return side_by_side(captured).float(), model.logits(hidden).argmax(-1)
 
     def cached(self, index: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if index not in self._cache:

@@ -33,6 +33,7 @@ from specray.workers.plan import StepPlan
 from specray.workers.sampling import argmax_rows, argmax_tensor, probabilities, sample
 from specray.workers.verify import accept_greedy, accept_rejection, forced_num_emitted, one_hot_draft_probs
 from specray.models.attention import build_metadata
+from specray.models.decoder import side_by_side
 from specray.models.drafters.common import FINAL_HIDDEN, DraftBatch, DraftSeq
 
 
@@ -242,6 +243,8 @@ class SpecRunner:
             hidden = w.model(ids, positions, w.pools, meta)
             return hidden, hidden if layers else None
         hidden, captured = w.model(ids, positions, w.pools, meta, capture_layers=capture)
+        if capture == layers:  # no final hidden state among them
+            return hidden, side_by_side(captured)
         by_layer = dict(zip(capture, captured))
         return hidden, torch.cat([hidden if i == FINAL_HIDDEN else by_layer[i] for i in layers], dim=-1)
 
