@@ -2,7 +2,8 @@
 timings with literals, the model predicting from it (the drafter's line replaced as well), the
 batch-class fit carrying it, and the decisions it changes: the grid's measured table chooses 3
 drafts for prompt lookup at batch 1 where the line through the same timings chooses 5, and an
-EAGLE-3 whose drafting the line underprices stays at 0 (each with its mutation). Plain Python:
+EAGLE-3 whose drafting the line underprices stays at 0 (each with its mutation); two-row steps'
+table, by the drafts both verify, and the pair it drafts where the line declines. Plain Python:
 no model, no torch."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specray.errors import ConfigError
+from specray.executor.adaptive import AdaptiveDraftLengths
 from specray.executor.draft_length import best_lengths, decode_seconds, per_draft_seconds
 from specray.executor.one_row import OneRowVerify
 from specray.executor.step_cost import StepCost, StepShape
@@ -150,3 +152,50 @@ def test_an_eagle3_whose_drafting_the_line_underprices_stays_at_0():
                        one_row_verify=(0.0, 3.3 * MS, 6.1 * MS, 8.9 * MS, 11.7 * MS, 14.5 * MS))
         assert decode_seconds(old, [1], "eagle3") == pytest.approx(16.2 * MS)
         assert best_lengths([[p0] * 5], old, "eagle3", 5) == [1]
+
+
+def two_rows(verify: int, prefill: int = 0) -> StepShape:
+    return StepShape(num_decode_rows=2, num_verify_rows=verify, num_prefill_tokens=prefill)
+
+
+def test_two_row_steps_keep_a_table_by_the_drafts_both_verify():
+    by_batch = StepCostByBatch(StepCost(c_step=7 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS),
+                               two_rows=OneRowVerify(4))
+    assert by_batch.at(2).two_row_verify == ()
+    by_batch.record(two_rows(0), 9 * MS)
+    by_batch.record(two_rows(2), 12 * MS)
+    by_batch.record(one_row(1), 99 * MS)  # not a two-row step
+    by_batch.record(two_rows(1, prefill=8), 99 * MS)  # nor is one with a prefill chunk
+    cost = by_batch.at(2)
+    # 1: halfway to 2's 3 ms; past 2 a draft's price on the class's line, fitted now (no two lengths
+    # from 1 up were timed to bound it)
+    slope = cost.c_verify_row
+    assert cost.two_row_verify == pytest.approx((0.0, 1.5 * MS, 3 * MS, 3 * MS + slope, 3 * MS + 2 * slope))
+    assert cost.predict(two_rows(2)) - cost.predict(two_rows(0)) == pytest.approx(3 * MS)
+    assert by_batch.at(1).two_row_verify == () and by_batch.at(3).two_row_verify == ()
+    assert by_batch.stats()["two_row_timed"] == [1, 0, 1, 0, 0]
+
+
+def test_at_two_rows_the_measured_table_drafts_where_the_line_through_it_declines():
+    """Measured 12-08 in the engine (prompt lookup, two HumanEval chats at a time): two decode rows
+    took 9.27 ms plain and 10.45, 12.40, 16.26, 18.88 ms verifying 1..4 drafts together; the batch-2
+    line priced a verified draft at ~2 ms, and the engine ran plain at 83% of its rows where static
+    k = 1 ran 4-10% faster than plain. By hand at p = (0.42, 0.7) each row, tokens per ms: plain
+    2 / 9.27 = .216; one row drafting one 2.42 / 10.45 = .232; both 2.84 / 12.40 = .229; one row
+    drafting two 2.71 / 12.40 = .219. On the line (2 ms a draft) one draft is 2.42 / 11.27 = .215:
+    plain."""
+    table = tuple(x * MS for x in (0.0, 1.18, 3.13, 6.99, 9.61))
+    probs = [[0.42, 0.7], [0.42, 0.7]]
+    measured = StepCost(c_step=7.27 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS, two_row_verify=table)
+    assert best_lengths(probs, measured, "ngram", 2) == [0, 1]  # a tie between the rows: the second drafts
+    assert best_lengths(probs, StepCost(c_step=7.27 * MS, c_decode_row=1 * MS, c_verify_row=2 * MS),
+                        "ngram", 2) == [0, 0]  # the mutation: the line alone
+    # a row resuming a model drafter pays its catch-up where it drafts: the other row drafts
+    assert best_lengths(probs, measured, "dflash", 2, resume=[0.0, 5 * MS]) == [1, 0]
+
+
+@pytest.mark.parametrize("method, has_table", [("ngram", True), ("dflash", True), ("eagle3", False)])
+def test_two_rows_keep_a_table_where_the_drafting_does_not_follow_the_longest_row(method, has_table):
+    # by the drafts both rows verify, 2 + 2 and 4 + 0 are one entry: right where the drafter runs
+    # one forward whatever the lengths, not for one that runs a forward per position of the longest
+    assert (AdaptiveDraftLengths(method, 3).cost.two_rows is not None) == has_table

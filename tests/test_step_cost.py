@@ -100,9 +100,9 @@ def test_a_refit_every_n_steps_is_the_every_step_fit_at_those_steps():
 
 def test_the_planners_unchecked_seconds_are_predict_of_the_same_shape():
     # StepCost.seconds skips building a checked StepShape (the planner rates every length of every
-    # step); it must price exactly as predict, the one-row table's lengths included
+    # step); it must price exactly as predict, the one- and two-row tables' lengths included
     one_row = StepCost(**{f"c_{n}": c for n, c in zip(FEATURES, TRUE.coefficients)},
-                       one_row_verify=(0.0, 0.004, 0.0045, 0.009))
+                       one_row_verify=(0.0, 0.004, 0.0045, 0.009), two_row_verify=(0.0, 0.002, 0.0025))
     rng = random.Random(5)
     for cost in (TRUE, one_row):
         for _ in range(300):
@@ -111,8 +111,10 @@ def test_the_planners_unchecked_seconds_are_predict_of_the_same_shape():
             shape = StepShape(**dict(zip(("num_decode_rows", "num_verify_rows", "num_prefill_tokens",
                                           "num_draft_rows", "num_draft_forwards"), counts)))
             assert cost.seconds(*counts) == pytest.approx(cost.predict(shape), rel=1e-12, abs=1e-15)
-    # a one-row step of 2 verified drafts: the plain one-row step plus the table's 4.5 ms
+    # a one-row step of 2 verified drafts: the plain one-row step plus the table's 4.5 ms; a two-row
+    # step the plain two-row step plus the two-row table's 2.5 ms
     assert one_row.seconds(1, 2, 0, 2, 2) == pytest.approx(0.010 + 0.003 + 0.0045)
+    assert one_row.seconds(2, 2, 0, 2, 1) == pytest.approx(0.010 + 0.006 + 0.0025)
 
 
 def test_the_online_sums_equal_a_fit_of_the_window_from_scratch():

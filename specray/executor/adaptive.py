@@ -63,10 +63,13 @@ class AdaptiveDraftLengths:
         self.verify_threshold: float | None = None  # this step's, when confidence-gated
         self.num_drafts_not_verified = 0  # drafted by the chosen length, cut by the confidence head
         self.controller = DraftLengthController(policy or DraftLengthPolicy(ceiling=ceiling), method)
-        # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window
+        # refit every 8 steps: the solve costs ~0.1 ms of Python, and 8 steps are 3% of the window.
+        # Two rows keep a table by the drafts both verify, where the drafting does not follow the
+        # longest row (two rows of 2 drafts and one of 4 and one of 0 then draft alike)
+        two_rows = OneRowVerify(2 * ceiling) if draft_forwards(method, 2) == draft_forwards(method, 1) else None
         self.cost = StepCostByBatch(prior, verify_slopes=verify_slopes, plain_seconds=plain_seconds, window=window,
                                     refit_every=8, one_row=OneRowVerify(ceiling, seeds=one_row_seconds),
-                                    per_draft=lambda cost: per_draft_seconds(cost, method))
+                                    two_rows=two_rows, per_draft=lambda cost: per_draft_seconds(cost, method))
         self._planned: dict[int, int] = {}  # the last choice: sequence id -> length
         self._was_drafting: dict[int, bool] = {}  # each decoding sequence: did it draft at its last step
         self.num_steps_not_fitted = 0  # steps whose drafter caught up (``is_fitted``)

@@ -22,8 +22,10 @@ The search is exact (Dinkelbach's method for a ratio): for a rate lam, max N(k) 
 splits per request once the longest length m is fixed, so it is solved for every m in
 0..ceiling; lam is raised to the best ratio found until nothing beats it (a few rounds,
 O(rounds x rows x ceiling)). A step of one decode row rates each length directly: there T
-prices the verify from a measured table (``StepCost.one_row_verify``, not a line in k). Ties
-go to the shorter length.
+prices the verify from a measured table (``StepCost.one_row_verify``, not a line in k); a step
+of two rates every pair of lengths where it has one (``StepCost.two_row_verify``, by the drafts
+both verify: (ceiling + 1)^2 pairs). Ties go to the shorter length (for two rows, the fewer
+drafts, then the second row's).
 
 ``resume``: seconds a row adds to T when it drafts at all (k >= 1), per row: the share of the
 drafter's catch-up charged to this step for a row that did not draft at its last step (the
@@ -145,6 +147,12 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int, resume
         rates = [g[k] / (cost.seconds(1, k, 0, draft_rows(method, k), draft_forwards(method, k)) + (r if k else 0.0))
                  for k in range(ceiling + 1)]  # > 0: the plain step's seconds are (rate is finite)
         return [max(range(ceiling + 1), key=lambda k: (rates[k], -k))]
+    if len(gains) == 2 and cost.two_row_verify:  # two rows: every pair rated (StepCost.two_row_verify is not a line)
+        (g, h), (r, s) = gains, resume
+        pairs = [(a, b) for a in range(ceiling + 1) for b in range(ceiling + 1)]
+        rates = [(g[a] + h[b]) / (cost.seconds(2, a + b, 0, draft_rows(method, a + b), draft_forwards(method, max(a, b)))
+                                  + (r if a else 0.0) + (s if b else 0.0)) for a, b in pairs]
+        return list(pairs[max(range(len(pairs)), key=lambda i: (rates[i], -sum(pairs[i]), -pairs[i][0]))])
     for _ in range(64):  # Dinkelbach converges in a few rounds; the bound is a guard
         best, best_value = None, 1e-12 * len(gains)  # N - lam T is 0 at the current lengths
         # for each row, the best k <= m at this rate, as m grows (a running argmax)

@@ -1,4 +1,5 @@
-"""What verifying L drafts costs a step of one decode row, measured per L (plain Python, no torch).
+"""What verifying L drafts costs a step of one decode row, measured per L (plain Python, no torch);
+the same for two rows by the drafts both verify.
 
 The step-cost model prices a verified draft at one slope per batch class (``step_cost``), but at
 one decode row the cost is not a line in L. On this CPU, SmolLM2 at batch 1 in the engine: the
@@ -31,6 +32,14 @@ cannot split a step's time between them, and the table replaced the verify part 
 drafter then kept the probe's price. In the 12-07 13:32 grid the 1-row fit priced a k = 1 step
 of the trained EAGLE-3 at 12.9 + 3.6 ms (0.81 ms of it drafting), and static k = 1 implied ~1.5x
 a plain step: adaptive drafted 127 rows at length 1 and ran at 0.93x plain.
+
+Two rows keep a table too (``StepCostByBatch.two_rows``: this class over 2 x ceiling, indexed by
+the drafts both rows verify), and the planner rates every pair of lengths on it. Measured 12-08
+with prompt lookup on HumanEval chats, two at a time: 9.27 ms plain, and 1.18, 3.13, 6.99, 9.61 ms
+more verifying 1..4 drafts together, where the batch-2 line priced ~2 ms a draft; the engine ran
+plain at 83% of its rows where static k = 1 ran 4-10% faster than plain. A drafter that runs a
+forward per position of the longest row (eagle3, mtp, a draft model) drafts 2 + 2 and 4 + 0
+differently, so two of its rows keep the line.
 """
 
 from __future__ import annotations

@@ -75,16 +75,18 @@ class StepCost:
     """Seconds drafting and verifying L drafts adds to a step of one decode row and no prefill, at
     index L (``OneRowVerify``, measured); empty, or past its end: the line's verify and drafter
     rows and forwards."""
+    two_row_verify: tuple[float, ...] = ()
+    """The same for a step of two decode rows, at index V: the drafts the two verify together."""
 
     def __post_init__(self) -> None:
         for name, value in zip(FEATURES, self.coefficients):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"StepCost.c_{name} ({value!r}) must be a finite number >= 0 (seconds per unit)")
-        table = self.one_row_verify
-        if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) for v in table) or table[:1] not in (
-                (), (0.0,)):
-            raise ConfigError(f"StepCost.one_row_verify ({table!r}) must be empty or start at 0 (verifying no "
-                              f"draft adds no time), every entry finite and >= 0 (seconds)")
+        for name, table in (("one_row_verify", self.one_row_verify), ("two_row_verify", self.two_row_verify)):
+            if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) for v in table) or \
+                    table[:1] not in ((), (0.0,)):
+                raise ConfigError(f"StepCost.{name} ({table!r}) must be empty or start at 0 (verifying no draft "
+                                  f"adds no time), every entry finite and >= 0 (seconds)")
 
     @classmethod
     def from_coefficients(cls, coefficients) -> "StepCost":
@@ -105,10 +107,10 @@ class StepCost:
                 draft_forwards: int) -> float:
         """``predict`` of the shape these counts make, unchecked: the planner rates every length of
         every step with it, where building a checked ``StepShape`` each time was most of its cost."""
-        table = self.one_row_verify
-        if decode_rows == 1 and not prefill_tokens and 0 < verify_rows < len(table):
-            # the measured drafting and verify in place of the line's
-            return self.c_step + self.c_decode_row + table[verify_rows]
+        if 0 < decode_rows <= 2 and not prefill_tokens and verify_rows:
+            table = self.one_row_verify if decode_rows == 1 else self.two_row_verify
+            if verify_rows < len(table):  # the measured drafting and verify in place of the line's
+                return self.c_step + self.c_decode_row * decode_rows + table[verify_rows]
         return (self.c_step + self.c_decode_row * decode_rows + self.c_verify_row * verify_rows
                 + self.c_prefill_token * prefill_tokens + self.c_draft_row * draft_rows
                 + self.c_draft_forward * draft_forwards)

@@ -67,7 +67,8 @@ class StepCostByBatch:
     some decode-row counts, by the start-up probe; interpolated, ``interpolate_slope``) and, where
     the probe timed plain steps at two or more batch sizes (``plain_seconds``), the per-step and
     per-row costs of the plain line there (``plain_line``). A step of one decode row prices its
-    verify by ``one_row`` where given (``executor/one_row.py``).
+    verify by ``one_row`` where given (``executor/one_row.py``), a step of two by ``two_rows``
+    (indexed by the drafts both verify).
 
     Why a prior per class, not one fit's: a class whose steps all draft the same length (16
     requests at length 5) varies decode and verify rows together, so its steps fix their sum and
@@ -77,7 +78,8 @@ class StepCostByBatch:
 
     def __init__(self, prior: StepCost, *, verify_slopes: dict[int, float] | None = None,
                  plain_seconds: dict[int, float] | None = None, window: int = 256, refit_every: int = 1,
-                 one_row: OneRowVerify | None = None, per_draft: Callable[[StepCost], float] | None = None):
+                 one_row: OneRowVerify | None = None, two_rows: OneRowVerify | None = None,
+                 per_draft: Callable[[StepCost], float] | None = None):
         """``per_draft``: a draft's seconds on a cost's line (its verify row and the drafting it adds,
         which depend on the spec method: ``draft_length.per_draft_seconds``), for the one-row table
         past the lengths it timed; without it, ``c_verify_row``."""
@@ -90,7 +92,7 @@ class StepCostByBatch:
         self.prior, self.verify_slopes = prior, dict(verify_slopes or {})
         self.plain_seconds = dict(plain_seconds or {})
         self.window, self.refit_every = window, refit_every
-        self.one_row = one_row
+        self.one_row, self.two_rows = one_row, two_rows
         self.per_draft = per_draft or (lambda cost: cost.c_verify_row)
         self._fits: dict[int, OnlineStepCost] = {}
         self._last = 0  # the class of the last step planned or recorded (for stats)
@@ -112,12 +114,15 @@ class StepCostByBatch:
         cost = self._fit(self._last).cost
         if num_decode_rows == 1 and self.one_row is not None:
             cost = replace(cost, one_row_verify=self.one_row.table(self.per_draft(cost)))
+        elif num_decode_rows == 2 and self.two_rows is not None:
+            cost = replace(cost, two_row_verify=self.two_rows.table(self.per_draft(cost)))
         return cost
 
     def record(self, shape: StepShape, seconds: float) -> StepCost:
-        """A step's shape and time (a one-row step's also in ``one_row``)."""
-        if self.one_row is not None and shape.num_decode_rows == 1 and not shape.num_prefill_tokens:
-            self.one_row.record(shape.num_verify_rows, seconds)
+        """A step's shape and time (a step of one or two decode rows also in its table)."""
+        table = {1: self.one_row, 2: self.two_rows}.get(shape.num_decode_rows)
+        if table is not None and not shape.num_prefill_tokens:
+            table.record(shape.num_verify_rows, seconds)
         return self._fit(batch_class(shape.num_decode_rows)).record(shape, seconds)
 
     def stats(self) -> dict:
@@ -128,4 +133,8 @@ class StepCostByBatch:
             one = self._fit(batch_class(1)).cost
             out["one_row_verify_s"] = list(self.one_row.table(self.per_draft(one)))
             out["one_row_timed"] = self.one_row.stats()["num_timed"]  # fresh times per length
+        if self.two_rows is not None:
+            two = self._fit(batch_class(2)).cost
+            out["two_row_verify_s"] = list(self.two_rows.table(self.per_draft(two)))
+            out["two_row_timed"] = self.two_rows.stats()["num_timed"]
         return out
