@@ -177,7 +177,7 @@ def test_two_row_steps_keep_a_table_by_the_drafts_both_verify():
 
 
 def test_at_two_rows_the_measured_table_drafts_where_the_line_through_it_declines():
-    """Measured 12-08 in the engine (prompt lookup, two HumanEval chats at a time): two decode rows
+    """Measured 12-07 in the engine (prompt lookup, two HumanEval chats at a time): two decode rows
     took 9.27 ms plain and 10.45, 12.40, 16.26, 18.88 ms verifying 1..4 drafts together; the batch-2
     line priced a verified draft at ~2 ms, and the engine ran plain at 83% of its rows where static
     k = 1 ran 4-10% faster than plain. By hand at p = (0.42, 0.7) each row, tokens per ms: plain

@@ -145,7 +145,7 @@ def best_lengths(probs_by_row, cost: StepCost, method: str, ceiling: int, resume
     if len(gains) == 1:  # one row: every length rated as modelled (StepCost.one_row_verify is not a line)
         (g,), (r,) = gains, resume
         rates = [g[k] / (cost.seconds(1, k, 0, draft_rows(method, k), draft_forwards(method, k)) + (r if k else 0.0))
-                 for k in range(ceiling + 1)]  # > 0: the plain step's seconds are (rate is finite)
+                 for k in range(ceiling + 1)]  # each > 0: the plain step's rate above is finite
         return [max(range(ceiling + 1), key=lambda k: (rates[k], -k))]
     if len(gains) == 2 and cost.two_row_verify:  # two rows: every pair rated (StepCost.two_row_verify is not a line)
         (g, h), (r, s) = gains, resume

@@ -34,7 +34,7 @@ of the trained EAGLE-3 at 12.9 + 3.6 ms (0.81 ms of it drafting), and static k =
 a plain step: adaptive drafted 127 rows at length 1 and ran at 0.93x plain.
 
 Two rows keep a table too (``StepCostByBatch.two_rows``: this class over 2 x ceiling, indexed by
-the drafts both rows verify), and the planner rates every pair of lengths on it. Measured 12-08
+the drafts both rows verify), and the planner rates every pair of lengths on it. Measured 12-07
 with prompt lookup on HumanEval chats, two at a time: 9.27 ms plain, and 1.18, 3.13, 6.99, 9.61 ms
 more verifying 1..4 drafts together, where the batch-2 line priced ~2 ms a draft; the engine ran
 plain at 83% of its rows where static k = 1 ran 4-10% faster than plain. A drafter that runs a

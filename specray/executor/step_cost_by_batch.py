@@ -81,8 +81,8 @@ class StepCostByBatch:
                  one_row: OneRowVerify | None = None, two_rows: OneRowVerify | None = None,
                  per_draft: Callable[[StepCost], float] | None = None):
         """``per_draft``: a draft's seconds on a cost's line (its verify row and the drafting it adds,
-        which depend on the spec method: ``draft_length.per_draft_seconds``), for the one-row table
-        past the lengths it timed; without it, ``c_verify_row``."""
+        which depend on the spec method: ``draft_length.per_draft_seconds``), for the one- and two-row
+        tables past the lengths they timed; without it, ``c_verify_row``."""
         for n, slope in (verify_slopes or {}).items():
             if not (isinstance(n, int) and n >= 1 and math.isfinite(slope) and slope >= 0):
                 raise ConfigError(f"verify slope {slope!r} at {n!r} decode rows: rows must be an integer >= 1 and "
