@@ -85,34 +85,56 @@ static int gemm(int64_t type, const float *x, int64_t w, const float *bias, floa
 }
 
 /* A fused weight in up to three parts (w, t, rows): one gemm where it is one part; else each
- * part into scratch, then its columns of y (+ its slice of the bias). */
+ * part into `part` (scratch of M x N floats), then its columns of y (+ its slice of the bias). */
 static int gemm_parts(const int64_t *w, const int64_t *t, const int64_t *rows, int parts, const float *x,
-                      const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, float *part) {
     if (parts == 1) return gemm(t[0], x, w[0], bias, y, M, N, K);
-    float *part = malloc(sizeof(float) * M * N);
-    if (!part) return -1;
     int rc = 0;
     for (int i = 0, start = 0; i < parts && !rc; start += rows[i], ++i) {
         rc = gemm(t[i], x, w[i], bias ? bias + start : NULL, part, M, rows[i], K);
         for (int64_t m = 0; m < M && !rc; ++m)
             for (int64_t n = 0; n < rows[i]; ++n) y[m * N + start + n] = part[m * rows[i] + n];
     }
-    free(part);
     return rc;
 }
 
-static int qkv_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+static int qkv_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K, float *part) {
     const int64_t n1 = layer[QKV_N1], n2 = layer[QKV_N2];
     const int64_t w[3] = {layer[QKV_W], layer[QKV_W2], layer[QKV_W3]}, t[3] = {layer[QKV_T], layer[QKV_T2], layer[QKV_T3]};
     const int64_t rows[3] = {n1, n2, N - n1 - n2};
-    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 3 : 1, x, F(layer[QKV_B]), y, M, N, K);
+    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 3 : 1, x, F(layer[QKV_B]), y, M, N, K, part);
 }
 
-static int gate_up_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+static int gate_up_gemm(const int64_t *layer, const float *x, float *y, int64_t M, int64_t N, int64_t K, float *part) {
     const int64_t n1 = layer[GATE_UP_N1];
     const int64_t w[2] = {layer[GATE_UP_W], layer[GATE_UP_W2]}, t[2] = {layer[GATE_UP_T], layer[GATE_UP_T2]};
     const int64_t rows[2] = {n1, N - n1};
-    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 2 : 1, x, NULL, y, M, N, K);
+    return gemm_parts(w, t, n1 ? rows : &N, n1 ? 2 : 1, x, NULL, y, M, N, K, part);
+}
+
+/* Scratch, in floats, of attend (qkv, q, k, o and a fused q/k/v's part) and of each block (its
+ * normed input first; EAGLE-3's reads 2H-wide rows and keeps one more H for the norm). One call
+ * through every layer allocates the largest once, on a page boundary, and runs each block on
+ * it. Blocks that took their own from malloc at every layer got whatever the heap's free lists
+ * held: after an adaptive engine's start-up probe (large batches, freed) its decode steps ran
+ * 5-11% slower than a plain engine's at four rows, the same kernel on the same weights, and the
+ * one allocation made a plain engine's decode steps 7-10% faster at 4 and 8 rows, 3-5% at one
+ * (12-08, engines of both versions in turn: docs/benchmarks.md). */
+static int64_t attend_floats(const int64_t *shape) {
+    const int64_t heads = shape[HEADS], kv = shape[KV_HEADS], dim = shape[HEAD_DIM];
+    return shape[ROWS] * (2 * (heads + 2 * kv) * dim + 2 * heads * dim + kv * dim);
+}
+static int64_t attention_floats(const int64_t *shape) { return shape[ROWS] * shape[HIDDEN] + attend_floats(shape); }
+static int64_t eagle3_attention_floats(const int64_t *shape) {
+    return 3 * shape[ROWS] * shape[HIDDEN] + attend_floats(shape);
+}
+static int64_t mlp_floats(const int64_t *shape) { return shape[ROWS] * (shape[HIDDEN] + 5 * shape[INTER]); }
+
+/* Scratch of n floats on a 4 KiB boundary (a fixed layout relative to the page, whatever the
+ * heap held), or NULL. */
+static float *scratch_of(int64_t n) {
+    const size_t bytes = ((size_t)n * sizeof(float) + 4095) & ~(size_t)4095;
+    return aligned_alloc(4096, bytes ? bytes : 4096);
 }
 
 static void add_delta(float *x, const float *delta, const float *bias, int64_t rows, int64_t hidden) {
@@ -126,14 +148,13 @@ static void add_delta(float *x, const float *delta, const float *bias, int64_t r
  * into the pool; paged attention; out = o Wo^T (this rank's partial sum). Returns 0, -1 when
  * scratch could not be had, -2 when the rows are past the GEMVs' limit. */
 static int attend(const int64_t *layer, const int64_t *shape, const int64_t *step, float scale, const float *h,
-                  int64_t K, float *out) {
+                  int64_t K, float *out, float *work) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN], heads = shape[HEADS], kv = shape[KV_HEADS];
     const int64_t dim = shape[HEAD_DIM], qkv_size = (heads + 2 * kv) * dim;
-    float *qkv = malloc(sizeof(float) * M * (qkv_size + 2 * heads * dim + kv * dim));
-    if (!qkv) return -1;
-    float *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
+    float *qkv = work, *q = qkv + M * qkv_size, *k = q + M * heads * dim, *o = k + M * kv * dim;
+    float *part = o + M * heads * dim;
     TICK();
-    int rc = qkv_gemm(layer, h, qkv, M, qkv_size, K);
+    int rc = qkv_gemm(layer, h, qkv, M, qkv_size, K, part);
     TOCK(P_QKV);
     if (!rc) {
         float *pool = F(layer[POOL]);
@@ -148,23 +169,28 @@ static int attend(const int64_t *layer, const int64_t *shape, const int64_t *ste
         rc = gemm(layer[O_T], o, layer[O_W], NULL, out, M, H, heads * dim);
         TOCK(P_O);
     }
-    free(qkv);
     return rc ? -2 : 0;
 }
 
-/* Returns 0, -1 when scratch could not be had, -2 when the rows are past the GEMVs' limit. */
-int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
-                            float scale, float *x, const float *delta, const float *delta_bias, float *out) {
+static int attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps, float scale,
+                           float *x, const float *delta, const float *delta_bias, float *out, float *work) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN];
-    float *h = malloc(sizeof(float) * M * H);
-    if (!h) return -1;
+    float *h = work;
     TICK();
     add_delta(x, delta, delta_bias, M, H);
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[INPUT_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    const int rc = attend(layer, shape, step, scale, h, H, out);
-    free(h);
+    return attend(layer, shape, step, scale, h, H, out, h + M * H);
+}
+
+/* Returns 0, -1 when scratch could not be had, -2 when the rows are past the GEMVs' limit. */
+int specray_attention_block(const int64_t *layer, const int64_t *shape, const int64_t *step, float eps,
+                            float scale, float *x, const float *delta, const float *delta_bias, float *out) {
+    float *work = scratch_of(attention_floats(shape));
+    if (!work) return -1;
+    const int rc = attention_block(layer, shape, step, eps, scale, x, delta, delta_bias, out, work);
+    free(work);
     return rc;
 }
 
@@ -176,7 +202,7 @@ int specray_eagle3_attention_block(const int64_t *layer, const int64_t *shape, c
                                    float scale, const float *emb, const float *hidden_norm, int norm_residual,
                                    float *x, float *out) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN];
-    float *h = malloc(sizeof(float) * M * 3 * H);
+    float *h = scratch_of(eagle3_attention_floats(shape));
     if (!h) return -1;
     float *normed = h + M * 2 * H;
     TICK();
@@ -189,23 +215,21 @@ int specray_eagle3_attention_block(const int64_t *layer, const int64_t *shape, c
     if (norm_residual)
         for (int64_t i = 0; i < M * H; ++i) x[i] = normed[i];
     TOCK(P_NORM);
-    const int rc = attend(layer, shape, step, scale, h, 2 * H, out);
+    const int rc = attend(layer, shape, step, scale, h, 2 * H, out, h + 3 * M * H);
     free(h);
     return rc;
 }
 
-int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, float *x, const float *delta,
-                      const float *delta_bias, float *out) {
+static int mlp_block(const int64_t *layer, const int64_t *shape, float eps, float *x, const float *delta,
+                     const float *delta_bias, float *out, float *work) {
     const int64_t M = shape[ROWS], H = shape[HIDDEN], I = shape[INTER];
-    float *h = malloc(sizeof(float) * M * (H + 3 * I));
-    if (!h) return -1;
-    float *gate_up = h + M * H, *act = gate_up + 2 * M * I;
+    float *h = work, *gate_up = h + M * H, *act = gate_up + 2 * M * I, *part = act + M * I;
     TICK();
     add_delta(x, delta, delta_bias, M, H);
     TOCK(P_ADD);
     specray_rms_norm(x, F(layer[POST_NORM]), h, M, H, eps);
     TOCK(P_NORM);
-    int rc = gate_up_gemm(layer, h, gate_up, M, 2 * I, H);
+    int rc = gate_up_gemm(layer, h, gate_up, M, 2 * I, H, part);
     TOCK(P_GATE_UP);
     if (!rc) {
         specray_silu_mul(gate_up, act, M, I);
@@ -213,8 +237,16 @@ int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, flo
         rc = gemm(layer[DOWN_T], act, layer[DOWN_W], NULL, out, M, H, I);
         TOCK(P_DOWN);
     }
-    free(h);
     return rc ? -2 : 0;
+}
+
+int specray_mlp_block(const int64_t *layer, const int64_t *shape, float eps, float *x, const float *delta,
+                      const float *delta_bias, float *out) {
+    float *work = scratch_of(mlp_floats(shape));
+    if (!work) return -1;
+    const int rc = mlp_block(layer, shape, eps, x, delta, delta_bias, out, work);
+    free(work);
+    return rc;
 }
 
 /* Every layer, both blocks, no all-reduce between them (a group of one); on return x holds
@@ -227,18 +259,25 @@ int specray_dense_layers_capture(int64_t num_layers, const int64_t *layers, cons
                                  const int64_t *step, float eps, float scale, float *x, float *scratch,
                                  int64_t num_captures, const int64_t *capture_at, float *captured) {
     const int64_t size = shape[ROWS] * shape[HIDDEN];
+    const int64_t attention = attention_floats(shape), mlp_work = mlp_floats(shape);
     float *attn = scratch, *mlp = scratch + size;
+    float *work = scratch_of(attention > mlp_work ? attention : mlp_work);
+    if (!work) return -1;
     int64_t j = 0;
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t *layer = layers + l * NUM_LAYER_PTRS;
-        int rc = specray_attention_block(layer, shape, step, eps, scale, x, l ? mlp : NULL, NULL, attn);
-        if (!rc) rc = specray_mlp_block(layer, shape, eps, x, attn, F(layer[O_B]), mlp);
-        if (rc) return rc;
+        int rc = attention_block(layer, shape, step, eps, scale, x, l ? mlp : NULL, NULL, attn, work);
+        if (!rc) rc = mlp_block(layer, shape, eps, x, attn, F(layer[O_B]), mlp, work);
+        if (rc) {
+            free(work);
+            return rc;
+        }
         if (j < num_captures && capture_at[j] == l) {
             float *out = captured + j++ * size;
             for (int64_t i = 0; i < size; ++i) out[i] = x[i] + mlp[i];
         }
     }
+    free(work);
     add_delta(x, mlp, NULL, shape[ROWS], shape[HIDDEN]);
     return j == num_captures ? 0 : -3;
 }
