@@ -203,17 +203,20 @@ def adaptive_stats_of(llm: LLM) -> dict:
     return llm.stats().adaptive
 
 
-def interleaved_passes(engines: dict, chats: list, c: int, round_index: int, params: SamplingParams) -> dict:
+def interleaved_passes(engines: dict, chats: list, c: int, round_index: int, params: SamplingParams,
+                       run=run_batch) -> dict:
     """One pass per engine over the chats in closed batches of c, run batch by batch in turn, the
     order rotated by one engine every batch (and every round): each engine takes every place and
-    none runs two batches back to back (the module docstring says why)."""
+    none runs two batches back to back (the module docstring says why). ``run(llm, chats,
+    params)`` runs a batch in the engine's process; per engine, the list of what it returned
+    (``joined`` makes run_batch's a pass)."""
     keys = list(engines)
     batches: dict = {key: [] for key in keys}
     for b, start in enumerate(range(0, len(chats), c)):
         turn = (b + round_index) % len(keys)
         for key in keys[turn:] + keys[:turn]:
-            batches[key].append(engines[key].call(run_batch, chats[start:start + c], params))
-    return {key: joined(batches[key]) for key in keys}
+            batches[key].append(engines[key].call(run, chats[start:start + c], params))
+    return batches
 
 
 def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, int], list[dict]], dict[str, dict]]:
@@ -245,8 +248,8 @@ def measure(rows: list[Row], chats: list, args) -> tuple[dict[tuple[str, int, in
                     engines[i] = EngineProcess(rows[i].label, open_engine, rows[i], chats)
                 for r in range(args.rounds):
                     for c in args.concurrency:
-                        for i, one in interleaved_passes(engines, chats, c, r, params).items():
-                            passes.setdefault((group, i, c), []).append(one)
+                        for i, batches in interleaved_passes(engines, chats, c, r, params).items():
+                            passes.setdefault((group, i, c), []).append(joined(batches))
                     print(f"{group}: round {r + 1}/{args.rounds}: " + "; ".join(
                         f"{rows[i].label} " + " ".join(f"{passes[(group, i, c)][-1]['tok_s']:.0f}"
                                                       for c in args.concurrency) for i in members), flush=True)

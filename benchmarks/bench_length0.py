@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_adaptive import (MODEL, PINNED_GROUPS, TARGET_LENGTH0, configurations,
-                                       interleaved_passes, open_engine, pin_barrier_waits, write_dflash)
+                                       interleaved_passes, joined, open_engine, pin_barrier_waits, write_dflash)
 from benchmarks.engine_process import EngineProcess
 from benchmarks.own_thread import on_own_thread
 from benchmarks.prompts import humaneval_chats
@@ -51,8 +51,8 @@ def measure(args, chats: list, dflash: str) -> list[dict]:
         tok_s = {(name, c): [] for name in engines for c in args.concurrency}
         for r in range(args.rounds):
             for c in args.concurrency:  # batch by batch, the order rotated (the module docstring)
-                for name, one in interleaved_passes(engines, chats, c, r, params).items():
-                    tok_s[(name, c)].append(one["tok_s"])
+                for name, batches in interleaved_passes(engines, chats, c, r, params).items():
+                    tok_s[(name, c)].append(joined(batches)["tok_s"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
         for engine in engines.values():
