@@ -118,8 +118,8 @@ static int gate_up_gemm(const int64_t *layer, const float *x, float *y, int64_t 
  * it. Blocks that took their own from malloc at every layer got whatever the heap's free lists
  * held: after an adaptive engine's start-up probe (large batches, freed) its decode steps ran
  * 5-11% slower than a plain engine's at four rows, the same kernel on the same weights, and the
- * one allocation made a plain engine's decode steps 7-10% faster at 4 and 8 rows, 3-5% at one
- * (12-08, engines of both versions in turn: docs/benchmarks.md). */
+ * one allocation made a plain engine's decode steps 7-14% faster at 4 and 8 rows (12-08,
+ * benchmarks/ab_engines.py: docs/cpu-kernels.md "One scratch a call"). */
 static int64_t attend_floats(const int64_t *shape) {
     const int64_t heads = shape[HEADS], kv = shape[KV_HEADS], dim = shape[HEAD_DIM];
     return shape[ROWS] * (2 * (heads + 2 * kv) * dim + 2 * heads * dim + kv * dim);
